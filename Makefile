@@ -1,0 +1,56 @@
+# Set-up and entry points. `make demo` and `make test` each create .venv/ at the repo root,
+# install what is needed (idempotent: a stamp skips the installs when nothing changed) and run.
+#
+# The install order matters: torchrec declares a dependency on the CUDA `fbgemm-gpu` wheel,
+# which would replace `fbgemm-gpu-cpu` under the same import name and then fail to load on a
+# CPU machine. So fbgemm-gpu-cpu goes in first, torchrec with --no-deps, then its light deps.
+
+PYTHON ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.hstu-setup
+PIP_FLAGS := --disable-pip-version-check --no-input --quiet
+
+TORCH_PKGS := torch==2.13.0
+FBGEMM_PKGS := fbgemm-gpu-cpu==1.8.0
+TORCHREC_PKGS := torchrec==1.8.0
+TORCHREC_DEPS := tensordict==0.15.3 pyre-extensions==0.0.32 typing-inspect==0.9.0 \
+	iopath==0.1.10 torchmetrics==1.9.0 lightning-utilities==0.15.3 tqdm==4.70.1
+JAX_PKGS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
+OTHER_PKGS := triton==3.9.0 numpy pyyaml pytest hypothesis ruff pytest-timeout
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_FLAGS) --upgrade pip setuptools wheel
+	$(PIP) install $(PIP_FLAGS) $(TORCH_PKGS)
+	$(PIP) install $(PIP_FLAGS) $(FBGEMM_PKGS)
+	$(PIP) install $(PIP_FLAGS) --no-deps $(TORCHREC_PKGS)
+	$(PIP) install $(PIP_FLAGS) $(TORCHREC_DEPS)
+	$(PIP) install $(PIP_FLAGS) $(JAX_PKGS) $(OTHER_PKGS)
+	$(PIP) install $(PIP_FLAGS) --no-deps --no-build-isolation -e .
+	$(VENV)/bin/python -c "import torch, torchrec, fbgemm_gpu, jax, flax, optax, orbax.checkpoint, triton, hstu, hstu_kernels"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/hstu train --backend torch --config configs/demo.yaml
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(VENV)/bin/hstu bench balance
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,204 @@
+"""The training schedule both backends run, over a small Backend protocol.
+
+Step i overlaps the balancer work of batch i+1 with the compute of batch i:
+
+1. host->device copy of batch i+1 (torch: side stream; jax: async dispatch);
+2. phase 1 of i+1: per-sample stats (FLOPs, tokens, loss targets) computed on the host from
+   the batch, gathered across ranks (one collective), partitioning submitted to a worker
+   thread, so the host-side algorithm never sits on the critical path;
+3. forward/backward of batch i, loss normalised by the global loss-token count (known from
+   the gathered stats before the forward, so no rank's gradient depends on where a sample
+   landed);
+4. phase 2 of i+1: wait for the plan, exchange (allgather or all2all), padding last;
+5. optimizer step.
+
+Collective order is the same on every rank: stats gather (i+1), the backend's
+forward/backward collectives (i), exchange (i+1). Every rank computes the same plan from the
+same gathered stats, so it issues the same exchange. Only this file decides that order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from hstu.batch import JaggedBatch
+from hstu.partition import imbalance
+from hstu.shuffle_plan import ShufflePlan, identity_plan, make_plan
+from hstu.workload import HSTUCost
+
+# Columns of the per-sample stats every rank gathers in phase 1; the per-key jagged lengths
+# follow (in the batch's key order), so every process knows every sample's sizes after the
+# gather: static-shape backends size their exchange buffers from them with no extra collective.
+STAT_WORKLOAD, STAT_TOKENS, STAT_LOSS_TOKENS, STAT_REAL = range(4)
+NUM_FIXED_STATS = 4
+
+
+def loss_tokens(batch: JaggedBatch, task: str) -> np.ndarray:
+    """Per-sample loss targets: candidates (ranking) or next-item targets (retrieval)."""
+    if task == "ranking":
+        return batch.lengths["candidate"].astype(np.int64)
+    return np.maximum(batch.lengths["item"].astype(np.int64) - 1, 0)
+
+
+def sample_stats(batches: Sequence[JaggedBatch], cost: HSTUCost, task: str) -> np.ndarray:
+    """[sum batch_size, 4 + num_keys] int64 for this process's ranks, rank-major."""
+    rows = []
+    for b in batches:
+        real = np.arange(b.batch_size) < b.actual_batch_size
+        cols = [cost.batch_flops(b), b.seq_lengths(), loss_tokens(b, task), real.astype(np.int64)]
+        cols += [b.lengths[k] for k in b.keys]
+        rows.append(np.stack(cols, axis=1))
+    return np.concatenate(rows).astype(np.int64)
+
+
+def gathered_lengths(stats: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """Per-key lengths of every global sample, from the gathered stats."""
+    return {k: stats[:, NUM_FIXED_STATS + i] for i, k in enumerate(keys)}
+
+
+class Backend(Protocol):
+    """What a backend supplies; the schedule and its ordering live here, once."""
+
+    world_size: int
+    local_ranks: Sequence[int]  # data-parallel ranks this process drives (torch: one)
+
+    def to_device(self, batches: Sequence[JaggedBatch]) -> Any:
+        """Start the host->device copy of this process's batches; must not block on it."""
+
+    def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
+        """Collective: [len(local_ranks) * B, S] int64 -> [world_size * B, S] on every process."""
+
+    def exchange(self, device_batch: Any, plan: ShufflePlan) -> Any:
+        """Collective: this process's batches after the plan (padded, real rows first)."""
+
+    def forward_backward(self, device_batch: Any, global_loss_tokens: int) -> Any:
+        """Dispatch forward + backward (+ gradient reduction); returns a handle."""
+
+    def optimizer_step(self, handle: Any) -> dict[str, float]:
+        """Apply the update; return host scalars (at least 'loss', the global mean loss)."""
+
+
+@dataclass
+class Prepared:
+    """A batch after both phases, plus what the step metrics need to know about it."""
+
+    device_batch: Any
+    stats: np.ndarray  # gathered [W * B, S]
+    plan: ShufflePlan
+
+
+class Balancer:
+    """Phase 1 / phase 2 of the shuffle around a backend; identity when not balancing."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        shuffler: str = "balanced",
+        method: str = "auto",
+        overlap: bool = True,
+    ):
+        self.backend, self.shuffler, self.method = backend, shuffler, method
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="partition") if overlap else None
+
+    def phase1(
+        self, device_batch: Any, local_stats: np.ndarray
+    ) -> tuple[Any, np.ndarray, Future | ShufflePlan]:
+        stats = self.backend.allgather_stats(local_stats)
+        real = stats[:, STAT_REAL].astype(bool)
+        w = self.backend.world_size
+        if self.shuffler == "identity":
+            return device_batch, stats, identity_plan(real, w)
+        args = (stats[:, STAT_WORKLOAD], real, w, self.method)
+        plan = self._pool.submit(make_plan, *args) if self._pool else make_plan(*args)
+        return device_batch, stats, plan
+
+    def phase2(self, device_batch: Any, stats: np.ndarray, plan: Future | ShufflePlan) -> Prepared:
+        if isinstance(plan, Future):
+            plan = plan.result()
+        if self.shuffler != "identity":
+            device_batch = self.backend.exchange(device_batch, plan)
+        return Prepared(device_batch, stats, plan)
+
+    def close(self) -> None:
+        if self._pool:
+            self._pool.shutdown(wait=True)
+
+
+def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
+    """Balance and token figures of one step, from the gathered stats and the plan."""
+    stats, plan = prepared.stats, prepared.plan
+    w = stats[:, STAT_WORKLOAD].astype(np.float64)
+    before = w.reshape(world_size, -1).sum(axis=1)
+    after = w[plan.indices].sum(axis=1)
+    return {
+        "global_tokens": int(stats[:, STAT_TOKENS].sum()),
+        "global_loss_tokens": int(stats[:, STAT_LOSS_TOKENS].sum()),
+        "global_samples": int(stats[:, STAT_REAL].sum()),
+        "global_flops": float(w.sum()),
+        "rank_workloads_before": before.tolist(),
+        "rank_workloads_after": after.tolist(),
+        "imbalance_before": imbalance_of(before),
+        "imbalance_after": imbalance_of(after),
+    }
+
+
+def imbalance_of(per_rank: np.ndarray) -> float:
+    return imbalance(per_rank, [np.array([i]) for i in range(len(per_rank))])
+
+
+def run(
+    backend: Backend,
+    batches: Iterator[Sequence[JaggedBatch]],
+    num_steps: int,
+    cost: HSTUCost,
+    task: str,
+    shuffler: str = "balanced",
+    method: str = "auto",
+    overlap: bool = True,
+    on_step: Callable[[int, dict], None] | None = None,
+    validate: bool = True,
+) -> list[dict]:
+    """Train `num_steps` steps; `batches` yields this process's per-rank batches per step."""
+    balancer = Balancer(backend, shuffler, method, overlap)
+
+    def start(host: Sequence[JaggedBatch]):
+        if validate:  # before any collective: a bad batch fails here, on its own rank
+            for r, b in zip(backend.local_ranks, host, strict=True):
+                b.validate(rank=r)
+        dev = backend.to_device(host)
+        return balancer.phase1(dev, sample_stats(host, cost, task))
+
+    history = []
+    try:
+        current = balancer.phase2(*start(next(batches)))
+        for step in range(num_steps):
+            t0 = time.perf_counter()
+            pending = start(next(batches)) if step + 1 < num_steps else None
+            loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
+            handle = backend.forward_backward(current.device_batch, loss_tokens_)
+            following = balancer.phase2(*pending) if pending is not None else None
+            out = backend.optimizer_step(handle)
+            elapsed = time.perf_counter() - t0
+            metrics = {
+                "step": step,
+                **out,
+                **step_metrics(current, backend.world_size),
+                "step_time_s": elapsed,
+            }
+            metrics["tokens_per_s"] = metrics["global_tokens"] / elapsed if elapsed else 0.0
+            metrics["tflops_per_device"] = (
+                metrics["global_flops"] / elapsed / 1e12 / backend.world_size if elapsed else 0.0
+            )
+            history.append(metrics)
+            if on_step:
+                on_step(step, metrics)
+            current = following
+    finally:
+        balancer.close()
+    return history

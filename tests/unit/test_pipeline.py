@@ -1,0 +1,133 @@
+"""The core schedule, driven by a single-process numpy backend that simulates W ranks."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import hstu.pipeline as pipeline
+from hstu.batch import concat
+from hstu.data import dataset_from_config
+from hstu.partition import imbalance
+from hstu.shuffle_plan import exchange_reference
+from hstu.workload import HSTUCost
+
+
+class NumpyBackend:
+    """The Backend protocol over the core's numpy reference ops (one process, all ranks)."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.local_ranks = list(range(world_size))
+        self.calls, self.seen = [], []
+
+    def to_device(self, batches):
+        self.calls.append("to_device")
+        return list(batches)
+
+    def allgather_stats(self, local_stats):
+        self.calls.append("allgather_stats")
+        return local_stats.copy()
+
+    def exchange(self, batches, plan):
+        self.calls.append("exchange")
+        return exchange_reference(batches, plan)
+
+    def forward_backward(self, batches, global_loss_tokens):
+        self.calls.append("forward_backward")
+        self.seen.append(batches)
+        # a loss that depends on every real sample, normalised by the global target count
+        local = [b.lengths["candidate"][: b.actual_batch_size].sum() for b in batches]
+        return sum(local) / global_loss_tokens
+
+    def optimizer_step(self, handle):
+        self.calls.append("optimizer_step")
+        return {"loss": float(handle)}
+
+
+def batches_of(cfg, world):
+    ranks = [dataset_from_config(cfg, world, r) for r in range(world)]
+    while True:
+        yield [next(ds) for ds in ranks]
+
+
+@pytest.mark.parametrize("shuffler", ["identity", "balanced"])
+def test_schedule_order_and_metrics(demo_cfg, shuffler):
+    backend = NumpyBackend(4)
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = pipeline.run(backend, batches_of(demo_cfg, 4), 3, cost, "ranking", shuffler=shuffler)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # prologue for batch 0, then per step: phase 1 (i+1), fwd/bwd (i), phase 2 (i+1), update
+    ex = ["exchange"] if shuffler == "balanced" else []
+    step = ["to_device", "allgather_stats", "forward_backward", *ex, "optimizer_step"]
+    last = ["forward_backward", "optimizer_step"]
+    assert backend.calls == ["to_device", "allgather_stats", *ex, *step, *step, *last]
+    for r in rows:
+        assert r["loss"] == pytest.approx(1.0)  # every candidate counted once, globally
+        assert len(r["rank_workloads_before"]) == 4
+        assert sum(r["rank_workloads_before"]) == pytest.approx(sum(r["rank_workloads_after"]))
+        assert r["imbalance_after"] <= r["imbalance_before"] + 1e-12
+        for key in ("global_tokens", "step_time_s", "tokens_per_s", "imbalance_before"):
+            assert key in r
+    if shuffler == "identity":
+        assert all(r["imbalance_after"] == r["imbalance_before"] for r in rows)
+    else:
+        assert np.median([r["imbalance_after"] for r in rows]) < np.median(
+            [r["imbalance_before"] for r in rows]
+        )
+
+
+def test_balanced_run_trains_on_the_same_samples(demo_cfg):
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    ids = {}
+    for shuffler in ("identity", "balanced"):
+        backend = NumpyBackend(4)
+        pipeline.run(backend, batches_of(demo_cfg, 4), 2, cost, "ranking", shuffler=shuffler)
+        ids[shuffler] = [
+            np.sort(concat([b.strip_padding() for b in step]).dense["sample_id"])
+            for step in backend.seen
+        ]
+    for a, b in zip(ids["identity"], ids["balanced"], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_partition_runs_on_the_worker_thread(demo_cfg, monkeypatch):
+    threads = []
+    real = pipeline.make_plan
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(pipeline, "make_plan", spy)
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    pipeline.run(NumpyBackend(2), batches_of(demo_cfg, 2), 2, cost, "ranking")
+    assert threads and all(t.startswith("partition") for t in threads)
+
+
+def test_bad_batch_fails_before_any_collective(demo_cfg):
+    backend = NumpyBackend(2)
+
+    def bad():
+        parts = next(batches_of(demo_cfg, 2))
+        parts[1].lengths["item"][0] += 1
+        yield parts
+
+    with pytest.raises(ValueError, match="rank 1"):
+        pipeline.run(backend, bad(), 1, HSTUCost.from_model_config(demo_cfg.model), "ranking")
+    assert backend.calls == []
+
+
+def test_stats_carry_per_key_lengths(demo_cfg):
+    parts = next(batches_of(demo_cfg, 2))
+    stats = pipeline.sample_stats(parts, HSTUCost.from_model_config(demo_cfg.model), "ranking")
+    lens = pipeline.gathered_lengths(stats, parts[0].keys)
+    np.testing.assert_array_equal(lens["item"], concat(parts).lengths["item"])
+    per_rank = stats[:, pipeline.STAT_WORKLOAD].reshape(2, -1).sum(1)
+    m = pipeline.step_metrics(
+        pipeline.Prepared(None, stats, pipeline.identity_plan(stats[:, 3] > 0, 2)), 2
+    )
+    assert m["imbalance_before"] == pytest.approx(per_rank.max() / per_rank.mean())
+    assert m["imbalance_before"] == pytest.approx(
+        imbalance(stats[:, 0], [np.arange(8), np.arange(8, 16)])
+    )
