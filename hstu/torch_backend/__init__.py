@@ -1,0 +1,13 @@
+"""The PyTorch + TorchRec backend: KJT batches, torch.distributed shuffle, HSTU model.
+
+Files mirror `hstu/jax_backend/`: batch.py (JaggedBatch <-> KeyedJaggedTensor),
+collectives.py (stats gather, fused allgather, all2all), shuffler.py (device side of the
+pipeline's Backend), model.py, attention.py (reference | kernel switch), train_step.py
+(`train(cfg)`, the Backend, launching), checkpoint.py (torch.distributed.checkpoint).
+"""
+
+from hstu.torch_backend.batch import TorchBatch, to_jagged, to_torch
+from hstu.torch_backend.model import HSTUModel
+from hstu.torch_backend.train_step import TorchBackend, train
+
+__all__ = ["HSTUModel", "TorchBackend", "TorchBatch", "to_jagged", "to_torch", "train"]

@@ -1,0 +1,286 @@
+"""The HSTU model of docs/MODEL.md in torch: TorchRec embeddings, HSTU layers, two heads.
+
+Single-device code: data parallelism (shuffle, gradient reduction) is applied by the backend.
+Parameters are exactly `hstu.params.param_shapes` (same names, linear kernels `[in, out]`);
+`load_params` / `export_params` convert from / to the core's numpy dict. The one renaming is
+TorchRec's table weight `embedding.embeddings.<table>.weight` <-> `embedding.<table>`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+from hstu.batch import HSTU_JAGGED_KEYS, JaggedBatch
+from hstu.errors import HSTUError
+from hstu.params import param_shapes
+from hstu.torch_backend.attention import get_attention
+from hstu.torch_backend.batch import TorchBatch
+
+LN_EPS = 1e-6
+TOP_K = 10  # retrieval metrics: HR@10, NDCG@10
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(
+            x, x.shape[-1:], self.scale.to(x.dtype), self.bias.to(x.dtype), eps=LN_EPS
+        )
+
+
+class Linear(nn.Module):
+    """x @ kernel + bias with the kernel stored `[in, out]` like the core."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.zeros(dim_in, dim_out))
+        self.bias = nn.Parameter(torch.zeros(dim_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias.to(x.dtype), x, self.kernel.to(x.dtype))
+
+
+def _segments(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a jagged key: (sample of each value, position of the value inside its sample)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    sample = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total
+    )
+    return sample, torch.arange(total, device=lengths.device) - starts[sample]
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, cfg, attention):
+        super().__init__()
+        h, dqk, dv, d = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
+        self.num_heads, self.dqk, self.dv = h, dqk, dv
+        self.input_norm = LayerNorm(d)
+        self.uvqk = Linear(d, h * (2 * dv + 2 * dqk))
+        self.attn_norm = LayerNorm(h * dv)
+        self.output = Linear(h * dv, d)
+        pos, tim = cfg.rab_position_buckets, cfg.rab_time_buckets
+        self.rab_position = nn.Parameter(torch.zeros(h, pos)) if pos else None
+        self.rab_time = nn.Parameter(torch.zeros(h, tim)) if tim else None
+        self.attention, self.alpha = attention, cfg.resolved_alpha
+        self.normalizer, self.dropout = cfg.normalizer, cfg.dropout
+
+    def forward(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
+        h, dqk, dv = self.num_heads, self.dqk, self.dv
+        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+        a = self.attention(
+            q.reshape(-1, h, dqk),
+            k.reshape(-1, h, dqk),
+            v.reshape(-1, h, dv),
+            seq["offsets"],
+            max_seqlen=seq["max_seqlen"],
+            alpha=self.alpha,
+            normalizer=self.normalizer,
+            num_contextual=seq["num_contextual"],
+            num_candidates=seq["num_candidates"],
+            timestamps=seq["timestamps"] if self.rab_time is not None else None,
+            rab_pos=self.rab_position.to(x.dtype) if self.rab_position is not None else None,
+            rab_time=self.rab_time.to(x.dtype) if self.rab_time is not None else None,
+        )
+        y = self.attn_norm(a.reshape(-1, h * dv)) * u
+        y = F.dropout(y, self.dropout, self.training)
+        return x + self.output(y)
+
+
+class HSTUModel(nn.Module):
+    def __init__(self, cfg, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.embedding_dim
+        item_features = ["item", "candidate"] + (["negative"] if cfg.task == "retrieval" else [])
+        self.embedding = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(cfg.num_items, d, name="item", feature_names=item_features),
+                EmbeddingConfig(cfg.num_actions, d, name="action", feature_names=["action"]),
+                EmbeddingConfig(
+                    cfg.num_contextual_ids, d, name="contextual", feature_names=["contextual"]
+                ),
+            ]
+        )
+        attention = get_attention(cfg.attention, device)
+        self.layers = nn.ModuleList(HSTULayer(cfg, attention) for _ in range(cfg.num_layers))
+        self.final_norm = LayerNorm(d)
+        if cfg.task == "ranking":
+            self.head = nn.Module()
+            self.head.hidden = Linear(d, d)
+            self.head.out = Linear(d, cfg.num_tasks)
+        self.compute_dtype = _DTYPES[cfg.dtype]
+        self.to(device)
+
+    # ------------------------------------------------------------------ parameters
+    @staticmethod
+    def core_name(torch_name: str) -> str:
+        if torch_name.startswith("embedding.embeddings."):
+            return "embedding." + torch_name[len("embedding.embeddings.") :].removesuffix(".weight")
+        return torch_name
+
+    def named_core_parameters(self) -> dict[str, nn.Parameter]:
+        return {self.core_name(n): p for n, p in self.named_parameters()}
+
+    def load_params(self, params: dict[str, np.ndarray]) -> None:
+        mine = self.named_core_parameters()
+        expected = param_shapes(self.cfg)
+        if set(params) != set(expected):
+            raise HSTUError(
+                f"load_params: missing {sorted(set(expected) - set(params))}, "
+                f"unexpected {sorted(set(params) - set(expected))}"
+            )
+        with torch.no_grad():
+            for name, value in params.items():
+                if tuple(np.shape(value)) != expected[name]:
+                    raise HSTUError(
+                        f"load_params: {name} has shape {list(np.shape(value))}, "
+                        f"expected {list(expected[name])}"
+                    )
+                mine[name].copy_(torch.as_tensor(np.asarray(value, dtype=np.float32)))
+
+    def export_params(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().cpu().numpy().copy() for n, p in self.named_core_parameters().items()}
+
+    # ------------------------------------------------------------------ forward
+    def sequence(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
+        """Embed and lay out the tokens of every sample (docs/MODEL.md token table)."""
+        emb = self.embedding(tb.kjt)
+        lengths = dict(zip(tb.keys, tb.lengths_KB().to(torch.int64), strict=True))
+        totals = dict(zip(tb.keys, tb.length_per_key(), strict=True))
+        ids = tb.kjt.to_dict()
+        c, n_items, k = lengths["contextual"], lengths["item"], lengths["candidate"]
+        seq_lengths = c + 2 * n_items + k
+        offsets = F.pad(torch.cumsum(seq_lengths, 0), (1, 0))
+        start = offsets[:-1]
+        s_c, p_c = _segments(c, totals["contextual"])
+        s_i, p_i = _segments(n_items, totals["item"])
+        s_k, p_k = _segments(k, totals["candidate"])
+        pos_item = start[s_i] + c[s_i] + 2 * p_i
+        pos_cand = start[s_k] + c[s_k] + 2 * n_items[s_k] + p_k
+        dest = torch.cat([start[s_c] + p_c, pos_item, pos_item + 1, pos_cand])
+        num_tokens = dest.numel()
+        # each token has exactly one source row: gather through the inverse permutation
+        inverse = torch.empty_like(dest).scatter_(
+            0, dest, torch.arange(num_tokens, device=dest.device)
+        )
+        src = torch.cat(
+            [
+                emb["contextual"].values(),
+                emb["item"].values(),
+                emb["action"].values(),
+                emb["candidate"].values(),
+            ]
+        )
+        x = src.index_select(0, inverse).to(self.compute_dtype)
+        item_time = ids["item_time"].values()
+        times = torch.cat(
+            [torch.zeros_like(p_c), item_time, item_time, ids["candidate_time"].values()]
+        ).index_select(0, inverse)
+        seq = {
+            "offsets": offsets,
+            "max_seqlen": tb.max_seqlen,
+            "num_contextual": c,
+            "num_candidates": k,
+            "timestamps": times,
+            "pos_item": pos_item,
+            "pos_cand": pos_cand,
+            "emb": emb,
+            "ids": ids,
+            "lengths": lengths,
+            "totals": totals,
+        }
+        return x, seq
+
+    def forward(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, dict]:
+        """(local loss sum / global target count, {metric: local sum}) for one batch."""
+        x, seq = self.sequence(tb)
+        for layer in self.layers:
+            x = layer(x, seq)
+        z = self.final_norm(x).float()
+        denom = float(max(int(global_loss_tokens), 1))
+        if self.cfg.task == "ranking":
+            return self._ranking_loss(z, seq, denom)
+        return self._retrieval_loss(z, seq, denom)
+
+    def _ranking_loss(self, z, seq, denom):
+        zc = z.index_select(0, seq["pos_cand"])
+        logits = self.head.out(F.silu(self.head.hidden(zc)))  # [sum K, num_tasks]
+        bits = torch.arange(self.cfg.num_tasks, device=z.device)
+        labels = ((seq["ids"]["label"].values()[:, None] >> bits) & 1).to(logits.dtype)
+        loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / denom
+        return loss, {}
+
+    def _retrieval_loss(self, z, seq, denom):
+        n_items, totals = seq["lengths"]["item"], seq["totals"]
+        r = self.cfg.num_negatives
+        num_targets = totals["negative"] // r  # negatives: (L - 1) * R per sample (checked)
+        targets = torch.clamp(n_items - 1, min=0)
+        s_t, p_t = _segments(targets, num_targets)
+        item_idx = (torch.cumsum(n_items, 0) - n_items)[s_t] + p_t  # event l of its sample
+        query = F.normalize(z.index_select(0, seq["pos_item"][item_idx] + 1), dim=-1, eps=1e-6)
+        emb, ids = seq["emb"], seq["ids"]
+        pos = F.normalize(emb["item"].values().index_select(0, item_idx + 1), dim=-1, eps=1e-6)
+        neg = F.normalize(
+            emb["negative"].values().reshape(num_targets, r, z.shape[1]), dim=-1, eps=1e-6
+        )
+        temp = self.cfg.retrieval_temperature
+        pos_logit = (query * pos).sum(-1, keepdim=True) / temp
+        neg_logits = torch.einsum("td,trd->tr", query, neg) / temp
+        pos_ids = ids["item"].values().index_select(0, item_idx + 1)
+        same = ids["negative"].values().reshape(num_targets, r) == pos_ids[:, None]
+        neg_logits = neg_logits.masked_fill(same, float("-inf"))
+        logits = torch.cat([pos_logit, neg_logits], dim=1)
+        loss = (torch.logsumexp(logits, dim=1) - logits[:, 0]).sum() / denom
+        with torch.no_grad():
+            rank = (neg_logits > pos_logit).sum(dim=1)
+            hit = rank < TOP_K
+            ndcg = torch.where(hit, 1.0 / torch.log2(rank.to(z.dtype) + 2.0), 0.0)
+        return loss, {f"hr@{TOP_K}": hit.to(z.dtype).sum(), f"ndcg@{TOP_K}": ndcg.sum()}
+
+
+def check_batch(batch: JaggedBatch, cfg, rank: int | None = None) -> None:
+    """Model-specific host checks (ids inside their tables, retrieval negatives), run before
+    any collective: an out-of-range id would otherwise fail inside a CUDA kernel mid-step."""
+    where = f" on rank {rank}" if rank is not None else ""
+    needed = HSTU_JAGGED_KEYS + (("negative",) if cfg.task == "retrieval" else ())
+    missing = [k for k in needed if k not in batch.lengths]
+    if missing:
+        raise HSTUError(f"invalid batch{where}: the {cfg.task} model needs jagged keys {missing}")
+    limits = {
+        "contextual": cfg.num_contextual_ids,
+        "item": cfg.num_items,
+        "candidate": cfg.num_items,
+        "action": cfg.num_actions,
+        "label": 2**cfg.num_tasks,
+        "negative": cfg.num_items,
+    }
+    for key, limit in limits.items():
+        if key not in batch.values or key not in needed:
+            continue
+        ids = np.asarray(batch.values[key])
+        bad = np.flatnonzero((ids < 0) | (ids >= limit))
+        if bad.size:
+            raise HSTUError(
+                f"invalid batch{where}: values['{key}'] must lie in [0, {limit}); "
+                f"positions {bad[:5].tolist()} hold {ids[bad[:5]].tolist()}"
+            )
+    if cfg.task == "retrieval":
+        want = np.maximum(batch.lengths["item"] - 1, 0) * cfg.num_negatives
+        bad = np.flatnonzero(batch.lengths["negative"] != want)
+        if bad.size:
+            raise HSTUError(
+                f"invalid batch{where}: lengths['negative'] must be "
+                f"(len(item) - 1) * num_negatives={cfg.num_negatives}; samples "
+                f"{bad[:5].tolist()} have {batch.lengths['negative'][bad[:5]].tolist()}"
+            )

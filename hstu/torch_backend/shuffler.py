@@ -1,0 +1,136 @@
+"""The shuffle half of the torch Backend: host->device copy, stats gather, exchange.
+
+The schedule (two phases, worker-thread partitioning, collective order) is the core's
+`hstu.pipeline.Balancer`; this class supplies its device primitives. Shufflers are named
+`identity` | `balanced` (the pipeline skips the exchange for identity) and exchanges
+`allgather` | `all2all` (registry below).
+
+On CUDA the copy and the exchange run on a side stream: `to_device` pins the host batch and
+copies it there with `non_blocking=True`, the collectives of phase 1 and 2 are issued under the
+same stream, and `ready()` makes the compute stream wait for it and records the batch's
+tensors on the compute stream so the allocator does not recycle them early. Collectives are
+issued from the host in the pipeline's order, the same on every rank, whatever the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from hstu.batch import JaggedBatch
+from hstu.errors import HSTUError
+from hstu.pipeline import STAT_REAL
+from hstu.shuffle_plan import ShufflePlan
+from hstu.torch_backend import collectives
+from hstu.torch_backend.batch import TorchBatch, to_torch
+
+SHUFFLERS = ("identity", "balanced")
+EXCHANGES: dict[str, Callable[..., TorchBatch]] = {
+    "allgather": collectives.allgather_exchange,
+    "all2all": collectives.all2all_exchange,
+}
+
+
+def check_shuffler(name: str) -> str:
+    if name not in SHUFFLERS:
+        raise HSTUError(f"balance.shuffler={name!r} is not one of {list(SHUFFLERS)}")
+    return name
+
+
+def get_exchange(name: str) -> Callable[..., TorchBatch]:
+    if name not in EXCHANGES:
+        raise HSTUError(f"balance.exchange={name!r} is not one of {sorted(EXCHANGES)}")
+    return EXCHANGES[name]
+
+
+class TorchShuffler:
+    """`to_device`, `allgather_stats`, `exchange` of the Backend protocol, for one rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        batch_size: int,
+        exchange: str = "allgather",
+        group=None,
+        check: Callable[[JaggedBatch, int], None] | None = None,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.local_ranks: Sequence[int] = [rank]
+        self.device = torch.device(device)
+        self.batch_size, self.group, self.check = batch_size, group, check
+        self.exchange_name = exchange
+        self._exchange = get_exchange(exchange)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._keys: tuple[list[str], list[str]] | None = None
+        self._stats: np.ndarray | None = None  # gathered stats of the batch in flight
+
+    def _side(self):
+        if self.copy_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.copy_stream)
+
+    def _validate(self, batch: JaggedBatch) -> None:
+        """What would make the collectives mismatch across ranks; checked before any of them.
+        (The pipeline has already run `batch.validate()`.)"""
+        where = f"invalid batch on rank {self.rank}"
+        if batch.batch_size != self.batch_size:
+            raise HSTUError(
+                f"{where}: batch_size {batch.batch_size} != configured "
+                f"data.batch_size {self.batch_size} (every rank must agree)"
+            )
+        keys = (batch.keys, list(batch.dense))
+        if self._keys is None:
+            self._keys = keys
+        elif keys != self._keys:
+            raise HSTUError(f"{where}: keys {keys} differ from the first batch's {self._keys}")
+        if self.check is not None:
+            self.check(batch, self.rank)
+
+    # ------------------------------------------------------------------ Backend protocol
+    def to_device(self, batches: Sequence[JaggedBatch]) -> TorchBatch:
+        if len(batches) != 1:
+            raise HSTUError(f"torch backend drives one rank per process, got {len(batches)}")
+        batch = batches[0]
+        self._validate(batch)
+        host = to_torch(batch)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        with self._side():
+            return host.pin_memory().to(self.device, non_blocking=True)
+
+    def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
+        with self._side():
+            stats = collectives.allgather_stats(
+                local_stats, self.world_size, self.device, self.group
+            )
+        # The pipeline alternates stats gather and exchange of the same batch, so the exchange
+        # that follows reads its sizes from here (no size collective).
+        self._stats = stats
+        return stats
+
+    def exchange(self, device_batch: TorchBatch, plan: ShufflePlan) -> TorchBatch:
+        stats, self._stats = self._stats, None
+        b = self.batch_size
+        if (
+            stats is None
+            or int(stats[self.rank * b : (self.rank + 1) * b, STAT_REAL].sum())
+            != device_batch.actual_batch_size
+        ):
+            raise RuntimeError(
+                "exchange: no gathered stats for this batch (allgather_stats must precede exchange)"
+            )
+        with self._side():
+            return self._exchange(device_batch, plan, stats, self.rank, self.group)
+
+    def ready(self, device_batch: TorchBatch) -> TorchBatch:
+        """The batch, usable on the current (compute) stream."""
+        if self.copy_stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.copy_stream)
+            device_batch.record_stream(current)
+        return device_batch

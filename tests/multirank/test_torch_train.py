@@ -1,0 +1,230 @@
+"""Torch training on gloo ranks: shuffle invariance of loss and gradients, the CLI end to end,
+checkpoint resume, and input errors raised before any collective."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torchrec")
+
+from torch_workers import run_on_ranks  # noqa: E402
+
+from hstu.config import load_config  # noqa: E402
+from hstu.errors import HSTUError  # noqa: E402
+from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
+
+WORLD = 4
+MODES = (("identity", "allgather"), ("balanced", "allgather"), ("balanced", "all2all"))
+CLI_FIELDS = (
+    "step",
+    "loss",
+    "global_tokens",
+    "rank_workloads_before",
+    "rank_workloads_after",
+    "imbalance_before",
+    "imbalance_after",
+    "step_time_s",
+    "tokens_per_s",
+)
+
+
+def _cfg(task: str, *extra: str):
+    return load_config(
+        DEMO_CONFIG,
+        [
+            f"model.task={task}",
+            "model.rab_time_buckets=8",
+            "data.max_history=32",
+            f"dist.world_size={WORLD}",
+            *extra,
+        ],
+    )
+
+
+def _one_step_worker(rank: int, world: int, device: str) -> dict:
+    """One training step of the same global batch under every shuffler/exchange."""
+    from hstu.pipeline import STAT_LOSS_TOKENS, Balancer, sample_stats
+    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.workload import HSTUCost
+
+    out = {}
+    for task in ("ranking", "retrieval"):
+        cfg = _cfg(task)
+        batches = make_global_batch(cfg, cfg.data.batch_size, (8, 3, 0, 7)[:world])
+        cost = HSTUCost.from_model_config(cfg.model)
+        for shuffler, exchange in MODES:
+            cfg.balance.exchange = exchange
+            backend = TorchBackend(cfg, rank, world, device)
+            balancer = Balancer(backend, shuffler, overlap=False)
+            local = [batches[rank]]
+            device_batch = backend.to_device(local)
+            prepared = balancer.phase2(
+                *balancer.phase1(device_batch, sample_stats(local, cost, task))
+            )
+            handle = backend.forward_backward(
+                prepared.device_batch, int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+            )
+            grads = backend.grads()
+            metrics = backend.optimizer_step(handle)
+            out[(task, shuffler, exchange)] = {
+                "metrics": metrics,
+                "grads": grads,
+                "moved": prepared.plan.num_moved(),
+            }
+    return out
+
+
+def _check_invariance(results: list[dict], world: int) -> None:
+    for task in ("ranking", "retrieval"):
+        ref = results[0][(task, "identity", "allgather")]
+        assert np.isfinite(ref["metrics"]["loss"]) and ref["metrics"]["loss"] > 0
+        for mode in MODES[1:]:
+            got = results[0][(task, *mode)]
+            assert got["moved"] > 0, "the balanced plan must move samples for this test"
+            for key, value in ref["metrics"].items():
+                assert got["metrics"][key] == pytest.approx(value, rel=1e-5), (task, mode, key)
+            assert set(got["grads"]) == set(ref["grads"])
+            for name, g in ref["grads"].items():
+                scale = float(np.abs(g).max()) or 1.0
+                np.testing.assert_allclose(
+                    got["grads"][name],
+                    g,
+                    rtol=1e-5,
+                    atol=1e-6 * scale,
+                    err_msg=f"{task} {mode} {name}",
+                )
+        # gradients are all-reduced: every rank holds the same ones
+        for rank in range(1, world):
+            for name, g in ref["grads"].items():
+                np.testing.assert_array_equal(results[rank][(task, *MODES[0])]["grads"][name], g)
+
+
+@pytest.mark.multirank
+def test_identity_and_balanced_give_same_loss_and_gradients():
+    _check_invariance(run_on_ranks(_one_step_worker, WORLD), WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+def test_nccl_identity_and_balanced_give_same_loss_and_gradients():
+    import torch
+
+    world = min(WORLD, torch.cuda.device_count())
+    if world < 2:
+        pytest.skip("needs 2 GPUs for NCCL ranks")
+    _check_invariance(run_on_ranks(_one_step_worker, world, device="cuda"), world)
+
+
+@pytest.mark.multirank
+def test_cli_trains_two_ranks_end_to_end(tmp_path, capsys):
+    from hstu.cli import main
+
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--backend",
+        "torch",
+        "--config",
+        str(DEMO_CONFIG),
+        "train.steps=3",
+        "dist.world_size=2",
+        f"output_dir={out}",
+    ]
+    assert main(argv) == 0
+    assert (out / "config.yaml").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        for field in CLI_FIELDS:
+            assert field in row, field
+        assert np.isfinite(row["loss"]) and len(row["rank_workloads_after"]) == 2
+    assert "imbalance before shuffle" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+def test_cli_trains_on_nccl_like_on_gloo(tmp_path):
+    import torch
+
+    from hstu.torch_backend.train_step import train
+
+    world = min(2, torch.cuda.device_count())
+    rows = {}
+    for device in ("cpu", "cuda"):
+        cfg = load_config(
+            DEMO_CONFIG,
+            [
+                "train.steps=3",
+                f"dist.world_size={world}",
+                f"dist.device={device}",
+                f"output_dir={tmp_path / device}",
+            ],
+        )
+        rows[device] = train(cfg)
+    for a, b in zip(rows["cpu"], rows["cuda"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["global_tokens"] == a["global_tokens"]
+
+
+def test_checkpoint_resume_continues_the_same_run(tmp_path):
+    from hstu.torch_backend.checkpoint import complete_steps
+    from hstu.torch_backend.train_step import train
+
+    def cfg(out, *extra):
+        return load_config(
+            DEMO_CONFIG, ["dist.world_size=1", f"output_dir={out}", "train.log_every=100", *extra]
+        )
+
+    full = train(cfg(tmp_path / "full", "train.steps=6"))
+    first = train(
+        cfg(
+            tmp_path / "ckpt",
+            "train.steps=4",
+            "train.checkpoint_every=2",
+            "train.keep_checkpoints=1",
+        )
+    )
+    assert complete_steps(tmp_path / "ckpt" / "checkpoints") == [4]
+    resumed = train(cfg(tmp_path / "ckpt", "train.steps=6", "train.resume=true"))
+    assert [r["step"] for r in first] == [0, 1, 2, 3]
+    assert [r["step"] for r in resumed] == [4, 5]
+    for a, b in zip(full[4:], resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["global_tokens"] == a["global_tokens"]
+
+
+def test_bad_batch_fails_before_any_collective():
+    from hstu.torch_backend.train_step import TorchBackend
+
+    cfg = _cfg("ranking")
+    batch = make_global_batch(cfg, cfg.data.batch_size, (4,))[0]
+    batch.values["item"][0] = cfg.model.num_items  # out of the table
+    backend = TorchBackend(cfg, 1, WORLD, "cpu")  # no process group exists: nothing may hang
+    with pytest.raises(HSTUError, match=r"values\['item'\].*rank 1|rank 1.*values\['item'\]"):
+        backend.to_device([batch])
+    wrong_size = make_global_batch(cfg, cfg.data.batch_size + 1, (4,))[0]
+    with pytest.raises(HSTUError, match="batch_size"):
+        backend.to_device([wrong_size])
+
+
+def test_kernel_attention_on_cpu_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from hstu.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = [
+        "train",
+        "--backend",
+        "torch",
+        "--config",
+        str(DEMO_CONFIG),
+        "train.steps=1",
+        "dist.world_size=1",
+        "model.attention=kernel",
+        "dist.device=cpu",
+        f"output_dir={tmp_path}",
+    ]
+    assert main(argv) == 2
+    assert "model.attention=kernel needs a CUDA device" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Run a function on W ranks (spawned processes, free port) and collect what each returns:
+gloo on CPU, or NCCL with one GPU per rank (`device="cuda"`).
+
+The function must be importable by name (module level) so that spawned processes find it; it
+is called as `fn(rank, world_size, device, *args)`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import tempfile
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(
+    rank: int, fn, world_size: int, device: str, port: int, out_dir: str, args: tuple
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    kwargs = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        **kwargs,
+    )
+    try:
+        result = fn(rank, world_size, f"cuda:{rank}" if device == "cuda" else "cpu", *args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_on_ranks(fn, world_size: int, *args, device: str = "cpu") -> list:
+    """`[fn(rank, world_size, device, *args) for every rank]`, each in its own process."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="hstu-ranks-") as out_dir:
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, device, _free_port(), out_dir, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]

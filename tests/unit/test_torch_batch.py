@@ -1,0 +1,136 @@
+"""JaggedBatch <-> KeyedJaggedTensor: lossless both ways, TorchRec layout, padding rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchrec")
+
+from hstu.batch import JaggedBatch, empty_like  # noqa: E402
+from hstu.config import load_config  # noqa: E402
+from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
+from hstu.torch_backend.batch import (  # noqa: E402
+    select_segments,
+    select_segments_reference,
+    to_jagged,
+    to_torch,
+)
+from hstu.torch_backend.collectives import dense_layout, pack_dense, unpack_dense  # noqa: E402
+
+
+def _batches(task: str = "retrieval") -> list[JaggedBatch]:
+    cfg = load_config(DEMO_CONFIG, [f"model.task={task}", "data.max_history=16"])
+    return make_global_batch(cfg, 6, (6, 4, 0, 1))
+
+
+def _odd_batch() -> JaggedBatch:
+    """Empty keys, an int32 key, multi-dim / bool / float dense fields, padding rows."""
+    lengths = {
+        "a": np.array([2, 0, 3, 0, 0], np.int64),
+        "empty": np.zeros(5, np.int64),
+        "small": np.array([1, 1, 0, 0, 0], np.int64),
+    }
+    values = {
+        "a": np.array([5, -7, 2**40, 0, 9], np.int64),
+        "empty": np.zeros(0, np.int64),
+        "small": np.array([3, 4], np.int32),
+    }
+    dense = {
+        "vec": np.array([[1.5, -2], [0, 3], [4, 4.25], [0, 0], [0, 0]], np.float32),
+        "flag": np.array([True, False, True, False, False]),
+        "sample_id": np.array([7, 8, 9, 0, 0], np.int64),
+    }
+    return JaggedBatch(5, 3, lengths, values, dense).validate()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _batches()[0],
+        lambda: _batches()[1],
+        lambda: _batches("ranking")[2],
+        _odd_batch,
+        lambda: empty_like(_odd_batch()),
+    ],
+)
+def test_round_trip_is_lossless(make):
+    batch = make()
+    tb = to_torch(batch)
+    back = to_jagged(tb)
+    assert not back.diff(batch), back.diff(batch)
+    assert back.validate() is back
+    # strip_padding agrees with the core's (jagged and dense dropped together)
+    stripped = to_jagged(tb.strip_padding())
+    assert not stripped.diff(batch.strip_padding()), stripped.diff(batch.strip_padding())
+
+
+def test_kjt_layout_is_torchrec_key_major():
+    batch = _batches()[1]
+    tb = to_torch(batch)
+    kjt = tb.kjt
+    assert kjt.keys() == batch.keys
+    assert kjt.stride() == batch.batch_size
+    assert kjt.lengths().shape == (len(batch.keys) * batch.batch_size,)
+    assert kjt.values().dtype == torch.int64
+    expected = np.concatenate([batch.values[k] for k in batch.keys])
+    np.testing.assert_array_equal(kjt.values().numpy(), expected)
+    for key, jt in kjt.to_dict().items():
+        np.testing.assert_array_equal(jt.lengths().numpy(), batch.lengths[key])
+        np.testing.assert_array_equal(jt.values().numpy(), batch.values[key])
+    assert tb.max_seqlen == int(batch.seq_lengths().max())
+
+
+def test_rejects_non_integer_jagged_values():
+    batch = _odd_batch()
+    batch.values["a"] = batch.values["a"].astype(np.float32)
+    with pytest.raises(ValueError, match="values\\['a'\\] must be integer ids"):
+        to_torch(batch)
+
+
+def test_select_segments_matches_numpy():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 4, 30)
+    values = rng.integers(0, 100, int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    idx = rng.permutation(30)[:17]
+    want = np.concatenate([values[offsets[i] : offsets[i + 1]] for i in idx])
+    got, got_lengths = select_segments(
+        torch.from_numpy(values), torch.from_numpy(lengths), torch.from_numpy(idx), len(want)
+    )
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(got_lengths.numpy(), lengths[idx])
+    empty, _ = select_segments(
+        torch.from_numpy(values), torch.from_numpy(lengths), torch.zeros(0, dtype=torch.int64), 0
+    )
+    assert empty.numel() == 0
+
+
+def test_dense_bytes_round_trip():
+    dense = {k: torch.from_numpy(v) for k, v in _odd_batch().dense.items()}
+    packed = pack_dense(dense, 5)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 8 + 1 + 8)
+    back = unpack_dense(packed, dense_layout(dense))
+    for k, v in dense.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+    assert unpack_dense(packed[:0], dense_layout(dense))["vec"].shape == (0, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_copy_and_fbgemm_segment_gather():
+    batch = _batches()[0]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dev = to_torch(batch).pin_memory().to("cuda", non_blocking=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    dev.record_stream(torch.cuda.current_stream())
+    assert not to_jagged(dev).diff(batch)
+    rng = np.random.default_rng(1)
+    lengths = torch.from_numpy(rng.integers(0, 5, 200)).cuda()
+    values = torch.arange(int(lengths.sum()), device="cuda")
+    idx = torch.from_numpy(rng.integers(0, 200, 300)).cuda()
+    total = int(lengths[idx].sum())
+    got = select_segments(values, lengths, idx, total)  # fbgemm on CUDA
+    want = select_segments_reference(values, lengths, idx, total)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,0 +1,209 @@
+"""The torch HSTU model: core parameters in and out, the math of docs/MODEL.md checked against
+a per-sample float64 numpy transcription, and learning on one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchrec")
+
+from hstu.config import load_config  # noqa: E402
+from hstu.errors import HSTUError  # noqa: E402
+from hstu.params import init_params, param_shapes  # noqa: E402
+from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
+from hstu.torch_backend.batch import to_torch  # noqa: E402
+from hstu.torch_backend.model import HSTUModel, check_batch  # noqa: E402
+
+
+def _cfg(task: str, *extra: str):
+    return load_config(
+        DEMO_CONFIG,
+        [
+            f"model.task={task}",
+            "model.rab_position_buckets=6",
+            "model.rab_time_buckets=5",
+            "model.num_negatives=4",
+            "data.max_history=6",
+            "data.max_candidates=3",
+            *extra,
+        ],
+    )
+
+
+# --------------------------------------------------------------- numpy transcription of MODEL.md
+def _ln(x, scale, bias):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + 1e-6) * scale + bias
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _sample_loss(p, m, s) -> float:
+    """Loss sum of one sample, written from docs/MODEL.md and kernels/README.md, float64."""
+    p = {k: v.astype(np.float64) for k, v in p.items()}
+    c, n_hist, n_cand = len(s["contextual"]), len(s["item"]), len(s["candidate"])
+    rows, times = [], []
+    for t in range(c):
+        rows.append(p["embedding.contextual"][s["contextual"][t]])
+        times.append(0)
+    for i in range(n_hist):
+        rows += [p["embedding.item"][s["item"][i]], p["embedding.action"][s["action"][i]]]
+        times += [s["item_time"][i]] * 2
+    for i in range(n_cand):
+        rows.append(p["embedding.item"][s["candidate"][i]])
+        times.append(s["candidate_time"][i])
+    x, ts, n = np.stack(rows), np.asarray(times), len(rows)
+    h, dqk, dv = m.num_heads, m.attention_dim, m.linear_dim
+    for layer in range(m.num_layers):
+        q_ = f"layers.{layer}."
+        hid = _ln(x, p[q_ + "input_norm.scale"], p[q_ + "input_norm.bias"])
+        uvqk = _silu(hid @ p[q_ + "uvqk.kernel"] + p[q_ + "uvqk.bias"])
+        u, v, q, k = np.split(uvqk, np.cumsum([h * dv, h * dv, h * dqk]), axis=1)
+        att = np.zeros((n, h, dv))
+        for i in range(n):
+            for j in range(n):
+                if not (i == j or (j < n - n_cand and (j <= i or i < c))):
+                    continue
+                for hh in range(h):
+                    z = (
+                        m.resolved_alpha
+                        * q[i, hh * dqk : (hh + 1) * dqk]
+                        @ k[j, hh * dqk : (hh + 1) * dqk]
+                    )
+                    z += p[q_ + "rab_position"][hh, min(abs(i - j), m.rab_position_buckets - 1)]
+                    bucket = min(
+                        int(np.floor(np.log2(1 + abs(ts[i] - ts[j])))), m.rab_time_buckets - 1
+                    )
+                    z += p[q_ + "rab_time"][hh, bucket]
+                    att[i, hh] += _silu(z) / m.normalizer * v[j, hh * dv : (hh + 1) * dv]
+        y = _ln(att.reshape(n, h * dv), p[q_ + "attn_norm.scale"], p[q_ + "attn_norm.bias"]) * u
+        x = x + y @ p[q_ + "output.kernel"] + p[q_ + "output.bias"]
+    z = _ln(x, p["final_norm.scale"], p["final_norm.bias"])
+    if m.task == "ranking":
+        zc = z[c + 2 * n_hist :]
+        logits = (
+            _silu(zc @ p["head.hidden.kernel"] + p["head.hidden.bias"]) @ p["head.out.kernel"]
+            + p["head.out.bias"]
+        )
+        labels = (s["label"][:, None] >> np.arange(m.num_tasks)) & 1
+        return float(np.sum(np.logaddexp(0, logits) - labels * logits))
+    total, r = 0.0, m.num_negatives
+
+    def norm(a):
+        return a / max(np.linalg.norm(a), 1e-6)
+
+    for i in range(n_hist - 1):
+        query = norm(z[c + 2 * i + 1])
+        pos_id, negs = s["item"][i + 1], s["negative"][i * r : (i + 1) * r]
+        logits = [query @ norm(p["embedding.item"][pos_id])]
+        logits += [query @ norm(p["embedding.item"][g]) if g != pos_id else -np.inf for g in negs]
+        logits = np.asarray(logits) / m.retrieval_temperature
+        total += np.logaddexp.reduce(logits) - logits[0]
+    return float(total)
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_forward_matches_hand_written_math(task):
+    cfg = _cfg(task)
+    params = init_params(cfg.model, seed=3)
+    for name in params:  # non-trivial norms and biases, so every term is exercised
+        if not name.startswith("embedding."):
+            params[name] = params[name] + 0.05 * np.random.default_rng(len(name)).normal(
+                size=params[name].shape
+            ).astype(np.float32)
+    batch = make_global_batch(cfg, 4, (3,), first_id=11)[0]
+    model = HSTUModel(cfg.model)
+    model.load_params(params)
+    loss, _ = model(to_torch(batch).strip_padding(), global_loss_tokens=1)
+    want = 0.0
+    for b in range(batch.actual_batch_size):
+        one = batch.index_select([b])
+        sample = {k: one.values[k] for k in one.keys}
+        want += _sample_loss(params, cfg.model, sample)
+    assert float(loss.detach()) == pytest.approx(want, rel=2e-5)
+
+
+def test_params_load_and_export_identically():
+    for task in ("ranking", "retrieval"):
+        cfg = _cfg(task)
+        params = init_params(cfg.model, seed=0)
+        model = HSTUModel(cfg.model)
+        model.load_params(params)
+        out = model.export_params()
+        assert set(out) == set(param_shapes(cfg.model)) == set(params)
+        for name, value in params.items():
+            assert out[name].dtype == np.float32 and out[name].tobytes() == value.tobytes(), name
+        assert "embedding.item" in out and "embedding.embeddings.item.weight" not in out
+    bad = dict(params)
+    bad["final_norm.scale"] = np.ones(3, np.float32)
+    with pytest.raises(HSTUError, match="final_norm.scale"):
+        model.load_params(bad)
+    with pytest.raises(HSTUError, match="missing"):
+        model.load_params({k: v for k, v in params.items() if k != "final_norm.bias"})
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_outputs_finite_and_loss_decreases(task):
+    cfg = _cfg(task, "data.max_history=24")
+    model = HSTUModel(cfg.model)
+    model.load_params(init_params(cfg.model, seed=0))
+    batch = make_global_batch(cfg, 8, (7,))[0]
+    tb = to_torch(batch).strip_padding()
+    x, _ = model.sequence(tb)
+    assert x.shape == (batch.num_real_tokens(), cfg.model.embedding_dim)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss, metrics = model(tb, global_loss_tokens=int(batch.lengths["candidate"].sum()))
+        assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    # an all-padding batch gives a zero loss that still back-propagates
+    empty = make_global_batch(cfg, 8, (0,))[0]
+    loss, _ = model(to_torch(empty), global_loss_tokens=0)
+    assert loss.item() == 0.0
+
+
+def test_check_batch_names_bad_ids_and_negatives():
+    cfg = _cfg("retrieval")
+    batch = make_global_batch(cfg, 4, (3,))[0]
+    check_batch(batch, cfg.model)
+    bad = batch.clone()
+    bad.values["action"][0] = cfg.model.num_actions
+    with pytest.raises(HSTUError, match=r"rank 2: values\['action'\]"):
+        check_batch(bad, cfg.model, rank=2)
+    bad = batch.clone()
+    bad.lengths["negative"][0] += 1
+    with pytest.raises(HSTUError, match="negative"):
+        check_batch(bad, cfg.model)
+
+
+def test_kernel_switch_needs_cuda_or_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(HSTUError, match="model.attention=kernel"):
+        HSTUModel(_cfg("ranking", "model.attention=kernel").model, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["reference", "kernel"])
+def test_cuda_forward_matches_cpu(attention):
+    cfg = _cfg("ranking")
+    params = init_params(cfg.model, seed=0)
+    batch = make_global_batch(cfg, 8, (8,))[0]
+    cpu = HSTUModel(cfg.model)
+    cpu.load_params(params)
+    cfg.model.attention = attention
+    gpu = HSTUModel(cfg.model, "cuda")
+    gpu.load_params(params)
+    want, _ = cpu(to_torch(batch), 10)
+    got, _ = gpu(to_torch(batch).to("cuda"), 10)
+    assert float(got) == pytest.approx(float(want), rel=1e-4)
