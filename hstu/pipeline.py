@@ -69,13 +69,19 @@ class Backend(Protocol):
     local_ranks: Sequence[int]  # data-parallel ranks this process drives (torch: one)
 
     def to_device(self, batches: Sequence[JaggedBatch]) -> Any:
-        """Start the host->device copy of this process's batches; must not block on it."""
+        """Start the host->device copy of this process's batches; must not block on it.
+
+        The pipeline calls `allgather_stats` for this same batch right after, so a static-shape
+        backend may defer the copy until the gathered sizes fix its buffer shapes."""
 
     def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
         """Collective: [len(local_ranks) * B, S] int64 -> [world_size * B, S] on every process."""
 
-    def exchange(self, device_batch: Any, plan: ShufflePlan) -> Any:
-        """Collective: this process's batches after the plan (padded, real rows first)."""
+    def exchange(self, device_batch: Any, plan: ShufflePlan, stats: np.ndarray) -> Any:
+        """Collective: this process's batches after the plan (padded, real rows first).
+
+        `stats` are the gathered stats of this very batch: every buffer size of the exchange
+        follows from them, so no size-exchanging collective is needed."""
 
     def forward_backward(self, device_batch: Any, global_loss_tokens: int) -> Any:
         """Dispatch forward + backward (+ gradient reduction); returns a handle."""
@@ -122,7 +128,7 @@ class Balancer:
         if isinstance(plan, Future):
             plan = plan.result()
         if self.shuffler != "identity":
-            device_batch = self.backend.exchange(device_batch, plan)
+            device_batch = self.backend.exchange(device_batch, plan, stats)
         return Prepared(device_batch, stats, plan)
 
     def close(self) -> None:
@@ -163,8 +169,10 @@ def run(
     overlap: bool = True,
     on_step: Callable[[int, dict], None] | None = None,
     validate: bool = True,
+    start_step: int = 0,
 ) -> list[dict]:
-    """Train `num_steps` steps; `batches` yields this process's per-rank batches per step."""
+    """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
+    `batches` yields this process's per-rank batches per step."""
     balancer = Balancer(backend, shuffler, method, overlap)
 
     def start(host: Sequence[JaggedBatch]):
@@ -177,9 +185,10 @@ def run(
     history = []
     try:
         current = balancer.phase2(*start(next(batches)))
-        for step in range(num_steps):
+        for i in range(num_steps):
+            step = start_step + i
             t0 = time.perf_counter()
-            pending = start(next(batches)) if step + 1 < num_steps else None
+            pending = start(next(batches)) if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
             handle = backend.forward_backward(current.device_batch, loss_tokens_)
             following = balancer.phase2(*pending) if pending is not None else None

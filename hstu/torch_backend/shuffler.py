@@ -67,7 +67,6 @@ class TorchShuffler:
         self._exchange = get_exchange(exchange)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._keys: tuple[list[str], list[str]] | None = None
-        self._stats: np.ndarray | None = None  # gathered stats of the batch in flight
 
     def _side(self):
         if self.copy_stream is None:
@@ -108,22 +107,16 @@ class TorchShuffler:
             stats = collectives.allgather_stats(
                 local_stats, self.world_size, self.device, self.group
             )
-        # The pipeline alternates stats gather and exchange of the same batch, so the exchange
-        # that follows reads its sizes from here (no size collective).
-        self._stats = stats
         return stats
 
-    def exchange(self, device_batch: TorchBatch, plan: ShufflePlan) -> TorchBatch:
-        stats, self._stats = self._stats, None
+    def exchange(
+        self, device_batch: TorchBatch, plan: ShufflePlan, stats: np.ndarray
+    ) -> TorchBatch:
         b = self.batch_size
-        if (
-            stats is None
-            or int(stats[self.rank * b : (self.rank + 1) * b, STAT_REAL].sum())
-            != device_batch.actual_batch_size
-        ):
-            raise RuntimeError(
-                "exchange: no gathered stats for this batch (allgather_stats must precede exchange)"
-            )
+        # Internal invariant: the pipeline hands the stats gathered for this very batch.
+        assert int(stats[self.rank * b : (self.rank + 1) * b, STAT_REAL].sum()) == (
+            device_batch.actual_batch_size
+        ), "exchange: stats do not belong to this batch"
         with self._side():
             return self._exchange(device_batch, plan, stats, self.rank, self.group)
 

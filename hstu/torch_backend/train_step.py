@@ -192,8 +192,7 @@ def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) 
     batches = _RecordingIterator(dataset)
     every = cfg.train.checkpoint_every
 
-    def on_step(step: int, metrics: dict) -> None:
-        metrics["step"] = global_step = start_step + step
+    def on_step(global_step: int, metrics: dict) -> None:
         if device.type == "cuda":
             metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if logger is not None:
@@ -201,7 +200,7 @@ def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) 
         if every and (global_step + 1) % every == 0:
             extra = {
                 "step": global_step + 1,
-                "data": batches.state_after(step),
+                "data": batches.state_after(global_step - start_step),
                 "rng": checkpoint.rng_state(device),
             }
             checkpoint.save(
@@ -227,6 +226,7 @@ def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) 
             method=b.method,
             overlap=b.overlap,
             on_step=on_step,
+            start_step=start_step,
         )
     finally:
         if logger is not None:

@@ -29,7 +29,7 @@ class NumpyBackend:
         self.calls.append("allgather_stats")
         return local_stats.copy()
 
-    def exchange(self, batches, plan):
+    def exchange(self, batches, plan, stats):
         self.calls.append("exchange")
         return exchange_reference(batches, plan)
 

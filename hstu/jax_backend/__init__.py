@@ -1,0 +1,14 @@
+"""JAX backend: Flax model, shard_map collectives, balanced shuffler, Optax step, Orbax checkpoints.
+
+The pieces are a library (see examples/jax_custom_loop.py):
+
+* `batch`        DeviceBatch pytree (static capacities) <-> core JaggedBatch
+* `collectives`  mesh, stats all_gather, allgather / all_to_all exchanges (shard_map bodies)
+* `shuffler`     JaxShuffler: placement, stats gather and exchange for the core Balancer
+* `model`        HSTUModel (Flax linen), params_to_flax / flax_to_params
+* `attention`    reference (jnp) / kernel (Pallas) switch
+* `train_step`   make_train_step, JaxBackend (core pipeline Backend), train(cfg)
+* `checkpoint`   Orbax Checkpointer (`step-N`, keep-latest-k)
+
+Importing this package imports nothing heavy; import the submodules you need.
+"""

@@ -1,0 +1,247 @@
+"""Static-shape JAX batches: the core `JaggedBatch` as a pytree of fixed-size arrays.
+
+Layout (`DeviceBatch`), for `W` data-parallel ranks of `B` samples each, every leaf has a
+leading rank dim that the mesh axis "data" shards (inside `shard_map` a rank sees `[1, ...]`
+and `local_view` drops it):
+
+* `lengths[key]`  `[W, B]` int32     TorchRec lengths; padding samples 0
+* `values[key]`   `[W, cap_key]`     values of rank r packed at the front, zero after
+                                     `sum(lengths)` (capacity padding, never read)
+* `dense[key]`    `[W, B, ...]`      per-sample fields, padding rows zero
+* `num_real`      `[W]` int32        actual_batch_size of each rank
+
+Everything on device is 32-bit (JAX's default mode): 64-bit host integers are range-checked
+and narrowed, and `BatchSpec` keeps the host dtypes, so `to_jagged(to_device(b)) == b` byte for
+byte. The token capacity T (HSTU tokens per rank, the model's sequence buffer) is bucketed
+(`bucket_capacity`: 128 * 2^k) and the HSTU keys' value capacities derive from it (`item`:
+T/2, ...), so jit sees one shape per octave of load; the spec is the static part of the
+pytree, hence the jit cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from hstu.batch import JaggedBatch
+from hstu.errors import HSTUError
+
+MIN_CAPACITY = 128
+TOKEN_KEYS = (("contextual", 1), ("item", 2), ("candidate", 1))  # tokens = C + 2 L + K
+# Keys whose per-rank value count is at most T / divisor, T the rank's token capacity: their
+# capacities derive from T, so a batch's shapes (the jit cache key) depend on T alone.
+TOKEN_BOUNDED = {
+    "contextual": 1,
+    "item": 2,
+    "action": 2,
+    "item_time": 2,
+    "candidate": 1,
+    "candidate_time": 1,
+    "label": 1,
+}
+_INT32 = np.iinfo(np.int32)
+
+
+def bucket_capacity(n: int, minimum: int = MIN_CAPACITY, fine: bool = False) -> int:
+    """Smallest `minimum * 2^k` holding `n` (`fine`: also `1.5 * 2^k`).
+
+    Powers of two keep recompiles rare (one per octave of load) at up to 2x padding; `fine`
+    halves the worst-case padding for two shapes per octave.
+    """
+    size = minimum
+    while True:
+        if n <= size:
+            return size
+        if fine and n <= size * 3 // 2:
+            return size * 3 // 2
+        size *= 2
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Static layout of a DeviceBatch: keys, host dtypes, batch size and capacities."""
+
+    keys: tuple[str, ...]
+    value_dtypes: tuple[str, ...]  # host dtype per jagged key
+    dense_keys: tuple[str, ...]
+    dense_dtypes: tuple[str, ...]
+    dense_shapes: tuple[tuple[int, ...], ...]  # trailing dims per dense key
+    batch_size: int
+    capacities: tuple[int, ...]  # values capacity per jagged key
+    token_capacity: int  # HSTU tokens (C + 2 L + K) per rank, the model's T
+
+    def capacity(self, key: str) -> int:
+        return self.capacities[self.keys.index(key)]
+
+    def with_capacities(self, capacities: Sequence[int], token_capacity: int) -> BatchSpec:
+        return dataclasses.replace(
+            self, capacities=tuple(int(c) for c in capacities), token_capacity=int(token_capacity)
+        )
+
+
+def token_counts(lengths: dict[str, np.ndarray]) -> np.ndarray:
+    """HSTU tokens per sample from per-key lengths (any leading shape)."""
+    some = next(iter(lengths.values()))
+    total = np.zeros_like(np.asarray(some), dtype=np.int64)
+    for key, weight in TOKEN_KEYS:
+        if key in lengths:
+            total = total + weight * np.asarray(lengths[key], dtype=np.int64)
+    return total
+
+
+def spec_for_lengths(spec: BatchSpec, rank_lengths: dict[str, np.ndarray]) -> BatchSpec:
+    """`spec` resized to hold every rank: `rank_lengths[key]` is `[W, B]`."""
+    t_cap = bucket_capacity(int(token_counts(rank_lengths).sum(axis=1).max(initial=0)))
+    caps = []
+    for key in spec.keys:
+        need = int(np.asarray(rank_lengths[key]).sum(axis=1).max(initial=0))
+        derived = t_cap // TOKEN_BOUNDED[key] if key in TOKEN_BOUNDED else 0
+        caps.append(derived if derived and need <= derived else bucket_capacity(need))
+    return spec.with_capacities(caps, t_cap)
+
+
+def spec_for(template: JaggedBatch, rank_lengths: dict[str, np.ndarray]) -> BatchSpec:
+    """Spec of `template`'s keys and dtypes whose capacities hold `rank_lengths` (`[W, B]`)."""
+    keys = tuple(template.keys)
+    dense = {k: np.asarray(v) for k, v in template.dense.items()}
+    spec = BatchSpec(
+        keys=keys,
+        value_dtypes=tuple(np.asarray(template.values[k]).dtype.str for k in keys),
+        dense_keys=tuple(dense),
+        dense_dtypes=tuple(v.dtype.str for v in dense.values()),
+        dense_shapes=tuple(tuple(v.shape[1:]) for v in dense.values()),
+        batch_size=template.batch_size,
+        capacities=(0,) * len(keys),
+        token_capacity=0,
+    )
+    return spec_for_lengths(spec, rank_lengths)
+
+
+def spec_from_batches(batches: Sequence[JaggedBatch]) -> BatchSpec:
+    return spec_for(
+        batches[0], {k: np.stack([b.lengths[k] for b in batches]) for k in batches[0].keys}
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DeviceBatch:
+    lengths: dict[str, jax.Array]
+    values: dict[str, jax.Array]
+    dense: dict[str, jax.Array]
+    num_real: jax.Array
+    spec: BatchSpec = dataclasses.field(metadata={"static": True})
+
+
+def local_view(batch: DeviceBatch) -> DeviceBatch:
+    """Inside shard_map: drop the rank dim of size 1 (the model is single-rank code)."""
+    return jax.tree.map(lambda x: x[0], batch)
+
+
+def rank_view(batch: DeviceBatch) -> DeviceBatch:
+    """Inverse of `local_view`: add the rank dim back before leaving shard_map."""
+    return jax.tree.map(lambda x: x[None], batch)
+
+
+def _narrow(arr: np.ndarray, what: str) -> np.ndarray:
+    """Host array -> its 32-bit device form (exact, or HSTUError)."""
+    arr = np.asarray(arr)
+    if arr.dtype == np.float32:
+        return arr.view(np.int32)  # bit-exact: rides in the int32 exchange buffers
+    if arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and arr.dtype.itemsize < 4):
+        return arr.astype(np.int32)
+    if arr.dtype.kind in "iu":
+        if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+            raise HSTUError(
+                f"{what}: values in [{arr.min()}, {arr.max()}] do not fit int32, "
+                "which the JAX backend carries ids and timestamps in"
+            )
+        return arr.astype(np.int32)
+    raise HSTUError(f"{what}: dtype {arr.dtype} is not supported on device (32-bit only)")
+
+
+def _widen(arr: np.ndarray, dtype: str) -> np.ndarray:
+    dt = np.dtype(dtype)
+    return arr.view(np.float32) if dt == np.float32 else arr.astype(dt)
+
+
+def host_arrays(batches: Sequence[JaggedBatch], spec: BatchSpec) -> dict:
+    """Per-rank batches -> numpy leaves of a DeviceBatch (leading dim = len(batches))."""
+    out = {"lengths": {}, "values": {}, "dense": {}}
+    for key, cap in zip(spec.keys, spec.capacities, strict=True):
+        out["lengths"][key] = np.stack(
+            [_narrow(b.lengths[key], f"lengths['{key}']") for b in batches]
+        )
+        vals = np.zeros((len(batches), cap), np.int32)
+        for r, b in enumerate(batches):
+            v = _narrow(b.values[key], f"values['{key}']")
+            if v.shape[0] > cap:
+                raise HSTUError(
+                    f"values['{key}'] of local rank {r} hold {v.shape[0]} entries, "
+                    f"over the capacity {cap} of the batch spec"
+                )
+            vals[r, : v.shape[0]] = v
+        out["values"][key] = vals
+    for key in spec.dense_keys:
+        out["dense"][key] = np.stack([_narrow(b.dense[key], f"dense['{key}']") for b in batches])
+    out["num_real"] = np.asarray([b.actual_batch_size for b in batches], np.int32)
+    return out
+
+
+def to_device(
+    batches: Sequence[JaggedBatch], sharding: jax.sharding.Sharding, spec: BatchSpec | None = None
+) -> DeviceBatch:
+    """This process's per-rank batches -> a global DeviceBatch sharded over the data axis.
+
+    `batches` are the ranks this process drives, in mesh order (single process: all W). The
+    copy is asynchronous. Multi-process callers must pass a spec agreed on by every process
+    (e.g. from the gathered stats): array shapes are global.
+    """
+    spec = spec or spec_from_batches(batches)
+    host = host_arrays(batches, spec)
+    world = sharding.mesh.devices.size if hasattr(sharding, "mesh") else len(batches)
+
+    def put(x):
+        return jax.make_array_from_process_local_data(sharding, x, (world, *x.shape[1:]))
+
+    return DeviceBatch(
+        jax.tree.map(put, host["lengths"]),
+        jax.tree.map(put, host["values"]),
+        jax.tree.map(put, host["dense"]),
+        put(host["num_real"]),
+        spec,
+    )
+
+
+def _local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rank rows of a rank-sharded array, in rank order."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def to_jagged(batch: DeviceBatch) -> list[JaggedBatch]:
+    """DeviceBatch -> the per-rank JaggedBatches this process holds (host dtypes restored)."""
+    spec = batch.spec
+    lengths = {k: _local_rows(batch.lengths[k]) for k in spec.keys}
+    values = {k: _local_rows(batch.values[k]) for k in spec.keys}
+    dense = {k: _local_rows(batch.dense[k]) for k in spec.dense_keys}
+    num_real = _local_rows(batch.num_real)
+    out = []
+    for r in range(num_real.shape[0]):
+        lens = {k: lengths[k][r].astype(np.int64) for k in spec.keys}
+        vals = {
+            k: _widen(values[k][r, : int(lens[k].sum())], dt)
+            for k, dt in zip(spec.keys, spec.value_dtypes, strict=True)
+        }
+        dns = {
+            k: _widen(dense[k][r], dt)
+            for k, dt in zip(spec.dense_keys, spec.dense_dtypes, strict=True)
+        }
+        out.append(JaggedBatch(spec.batch_size, int(num_real[r]), lens, vals, dns))
+    return out

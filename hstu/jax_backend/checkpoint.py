@@ -1,0 +1,110 @@
+"""Orbax checkpoints of a JAX training run: `step-N` folders, keep-latest-k.
+
+A checkpoint holds the train state (params, optimizer state, step counter, RNG key) and the
+data iterator state (the index of the next global batch, JSON). Restoring needs an abstract
+state (shapes, dtypes, shardings) to place the arrays back on the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from hstu.errors import HSTUError
+
+_Metadata = ocp.path.step.Metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class DashNameFormat(ocp.path.step.NameFormat):
+    """`step-N` folder names (Orbax's standard format joins prefix and step with '_')."""
+
+    prefix: str = "step-"
+
+    def build_name(self, step: int) -> str:
+        return f"{self.prefix}{step}"
+
+    def _parse(self, path: epath.Path) -> int | None:
+        # Orbax writes into '<name>.orbax-checkpoint-tmp-*' and renames when finalised, so a
+        # full match is a finished checkpoint.
+        m = re.fullmatch(re.escape(self.prefix) + r"(0|[1-9]\d*)", path.name)
+        return int(m.group(1)) if m and path.is_dir() else None
+
+    def find_all(self, base_path) -> Iterator[_Metadata]:
+        base = epath.Path(base_path)
+        if not base.exists():
+            return iter(())
+        found = [(self._parse(p), p) for p in base.iterdir()]
+        return iter(
+            [
+                _Metadata(step=s, path=p)
+                for s, p in sorted(found, key=lambda x: x[0] or 0)
+                if s is not None
+            ]
+        )
+
+    def find_step(self, base_path, step: int) -> _Metadata:
+        path = epath.Path(base_path) / self.build_name(step)
+        if self._parse(path) != step:
+            raise ValueError(f"no finished checkpoint for step {step} under {base_path}")
+        return _Metadata(step=step, path=path)
+
+
+class Checkpointer:
+    """Save / restore `(state pytree, data state dict)` under `directory/step-N`."""
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        if keep < 1:
+            raise HSTUError(f"checkpoint keep must be >= 1, got {keep}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, step_name_format=DashNameFormat()
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, data_state: dict) -> None:
+        """Asynchronous past the device->host copy: training continues while files are written."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+            ),
+        )
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, int]:
+        """`(state, data_state, step)` of `step` (default: latest), placed like the abstract."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise HSTUError(f"no checkpoint to restore under {self.directory}")
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+            ),
+        )
+        return out["state"], dict(out["data"]), step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(state: Any) -> Any:
+    """Shape/dtype/sharding skeleton of a state pytree, for `Checkpointer.restore`."""
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)

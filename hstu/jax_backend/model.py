@@ -1,0 +1,275 @@
+"""The HSTU model in Flax linen: docs/MODEL.md implemented literally, single-rank code.
+
+The model reads one rank's `DeviceBatch` (no rank dim: `batch.local_view` inside shard_map),
+lays its samples out as `T = spec.token_capacity` jagged tokens (`token_layout`), runs the
+HSTU layers and returns the rank's loss, already divided by the step's global target count.
+
+Parameters: the tree maps 1:1 to `hstu.params` names (`params_to_flax` / `flax_to_params`);
+Flax's `layers_<i>` is the core's `layers.<i>`. Training initialises from
+`hstu.params.init_params` (identical in both backends); `model.init` also works (same shapes).
+"""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hstu.config import ModelConfig
+from hstu.jax_backend.attention import AttentionConfig, hstu_attention
+from hstu.jax_backend.batch import DeviceBatch
+
+LN_EPS = 1e-6
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TOP_K = 10  # retrieval HR@K / NDCG@K
+
+
+def _norm(name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LN_EPS, use_fast_variance=False, dtype=jnp.float32, name=name)
+
+
+def _excl(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x) - x
+
+
+def _owner(lengths: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample owning each packed position, and the position's index inside that sample."""
+    ends = jnp.cumsum(lengths)
+    sample = jnp.clip(jnp.searchsorted(ends, pos, side="right"), 0, lengths.shape[0] - 1)
+    return sample, pos - (ends[sample] - lengths[sample])
+
+
+def token_layout(batch: DeviceBatch) -> dict[str, jax.Array]:
+    """Where each of the T token slots comes from (MODEL.md's table), plus sample offsets."""
+    b, t_cap = batch.spec.batch_size, batch.spec.token_capacity
+    zeros = jnp.zeros((b,), jnp.int32)
+    c = batch.lengths.get("contextual", zeros)
+    length, k = batch.lengths["item"], batch.lengths["candidate"]
+    n = c + 2 * length + k
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n)])
+    sample, p = _owner(n, jnp.arange(t_cap, dtype=jnp.int32))
+    valid = jnp.arange(t_cap) < offsets[-1]
+    hist_pos = p - c[sample]
+    is_ctx = valid & (p < c[sample])
+    is_hist = valid & ~is_ctx & (hist_pos < 2 * length[sample])
+    return {
+        "offsets": offsets,
+        "n": n,
+        "num_contextual": c,
+        "num_candidates": k,
+        "is_ctx": is_ctx,
+        "is_hist": is_hist,
+        "is_cand": valid & ~is_ctx & ~is_hist,
+        "is_action": is_hist & (hist_pos % 2 == 1),
+        "ctx_idx": _excl(c)[sample] + p,
+        "item_idx": _excl(length)[sample] + hist_pos // 2,
+        "cand_idx": _excl(k)[sample] + hist_pos - 2 * length[sample],
+    }
+
+
+def _take(values: jax.Array, idx: jax.Array) -> jax.Array:
+    return jnp.take(values, jnp.clip(idx, 0, values.shape[0] - 1))
+
+
+class Embeddings(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        d = self.cfg.embedding_dim
+        init = nn.initializers.normal(1.0 / np.sqrt(d))
+        self.item = self.param("item", init, (self.cfg.num_items, d))
+        self.action = self.param("action", init, (self.cfg.num_actions, d))
+        self.contextual = self.param("contextual", init, (self.cfg.num_contextual_ids, d))
+
+    def __call__(self, batch: DeviceBatch, lay: dict) -> tuple[jax.Array, jax.Array]:
+        """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`."""
+        v = batch.values
+        hist, cand = lay["is_hist"], lay["is_cand"]
+        item_id = jnp.where(
+            hist, _take(v["item"], lay["item_idx"]), _take(v["candidate"], lay["cand_idx"])
+        )
+        ctx_vals = v.get("contextual", jnp.zeros((1,), jnp.int32))
+        e_item = jnp.take(self.item, item_id, axis=0, mode="clip")
+        e_act = jnp.take(self.action, _take(v["action"], lay["item_idx"]), axis=0, mode="clip")
+        e_ctx = jnp.take(self.contextual, _take(ctx_vals, lay["ctx_idx"]), axis=0, mode="clip")
+        x = jnp.where(lay["is_action"][:, None], e_act, e_item)
+        x = jnp.where(lay["is_ctx"][:, None], e_ctx, x)
+        x = jnp.where((hist | cand | lay["is_ctx"])[:, None], x, 0.0)
+        ts = jnp.where(
+            hist,
+            _take(v["item_time"], lay["item_idx"]),
+            jnp.where(cand, _take(v["candidate_time"], lay["cand_idx"]), 0),
+        )
+        return x, ts
+
+
+class HSTULayer(nn.Module):
+    cfg: ModelConfig
+    attn: AttentionConfig
+
+    @nn.compact
+    def __call__(self, x, lay: dict, timestamps, deterministic: bool = True):
+        c = self.cfg
+        h, dqk, dv, dtype = c.num_heads, c.attention_dim, c.linear_dim, DTYPES[c.dtype]
+        t = x.shape[0]
+        glorot = nn.initializers.glorot_uniform()
+        y = _norm("input_norm")(x)
+        uvqk = nn.silu(
+            nn.Dense(h * (2 * dv + 2 * dqk), dtype=dtype, kernel_init=glorot, name="uvqk")(y)
+        )
+        u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
+        bias_init = nn.initializers.normal(0.02)
+        rab_pos = (
+            self.param("rab_position", bias_init, (h, c.rab_position_buckets))
+            if c.rab_position_buckets
+            else None
+        )
+        rab_time = (
+            self.param("rab_time", bias_init, (h, c.rab_time_buckets))
+            if c.rab_time_buckets
+            else None
+        )
+        a = hstu_attention(
+            self.attn,
+            q.reshape(t, h, dqk),
+            k.reshape(t, h, dqk),
+            v.reshape(t, h, dv),
+            lay["offsets"],
+            lay["num_contextual"],
+            lay["num_candidates"],
+            timestamps,
+            rab_pos,
+            rab_time,
+        )
+        y = _norm("attn_norm")(a.reshape(t, h * dv)) * u
+        y = nn.Dropout(c.dropout)(y, deterministic=deterministic or c.dropout == 0.0)
+        return x + nn.Dense(c.embedding_dim, dtype=dtype, kernel_init=glorot, name="output")(y)
+
+
+class RankingHead(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, z):
+        glorot = nn.initializers.glorot_uniform()
+        hid = nn.silu(nn.Dense(self.cfg.embedding_dim, kernel_init=glorot, name="hidden")(z))
+        return nn.Dense(self.cfg.num_tasks, kernel_init=glorot, name="out")(hid)
+
+
+def _normalize(x: jax.Array) -> jax.Array:
+    """`x / max(||x||, 1e-6)`, written so that a zero row (capacity padding) has a zero
+    gradient instead of NaN (the gradient of a norm at 0 is 0/0)."""
+    return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
+
+
+class HSTUModel(nn.Module):
+    """`apply(vars, batch, global_loss_tokens) -> (loss, aux)`; `encode` gives `z [T, D]`."""
+
+    cfg: ModelConfig
+    attn: AttentionConfig
+
+    def setup(self):
+        self.embedding = Embeddings(self.cfg)
+        self.layers = [HSTULayer(self.cfg, self.attn) for _ in range(self.cfg.num_layers)]
+        self.final_norm = _norm(None)
+        if self.cfg.task == "ranking":
+            self.head = RankingHead(self.cfg)
+
+    def encode(self, batch: DeviceBatch, deterministic: bool = True):
+        lay = token_layout(batch)
+        x, ts = self.embedding(batch, lay)
+        for layer in self.layers:
+            x = layer(x, lay, ts, deterministic)
+        return self.final_norm(x), lay
+
+    def __call__(self, batch: DeviceBatch, global_loss_tokens, deterministic: bool = True):
+        z, lay = self.encode(batch, deterministic)
+        denom = jnp.maximum(jnp.asarray(global_loss_tokens, jnp.float32), 1.0)
+        if self.cfg.task == "ranking":
+            return self._ranking(batch, z, lay, denom)
+        return self._retrieval(batch, z, lay, denom)
+
+    def _ranking(self, batch, z, lay, denom):
+        k = batch.lengths["candidate"]
+        cpos = jnp.arange(batch.spec.capacity("candidate"), dtype=jnp.int32)
+        sample, j = _owner(k, cpos)
+        tok = (
+            lay["offsets"][sample]
+            + lay["num_contextual"][sample]
+            + 2 * batch.lengths["item"][sample]
+            + j
+        )
+        logits = self.head(z[jnp.clip(tok, 0, z.shape[0] - 1)]).astype(jnp.float32)
+        bits = jnp.arange(self.cfg.num_tasks, dtype=jnp.int32)
+        labels = ((batch.values["label"][:, None] >> bits) & 1).astype(jnp.float32)
+        per = optax.sigmoid_binary_cross_entropy(logits, labels).sum(axis=1)
+        valid = cpos < jnp.sum(k)
+        return jnp.sum(jnp.where(valid, per, 0.0)) / denom, {}
+
+    def _retrieval(self, batch, z, lay, denom):
+        length, r = batch.lengths["item"], self.cfg.num_negatives
+        epos = jnp.arange(batch.spec.capacity("item"), dtype=jnp.int32)
+        sample, l_ = _owner(length, epos)
+        valid = (epos < jnp.sum(length)) & (l_ < length[sample] - 1)
+        tok = lay["offsets"][sample] + lay["num_contextual"][sample] + 2 * l_ + 1
+        query = _normalize(z[jnp.clip(tok, 0, z.shape[0] - 1)].astype(jnp.float32))
+        pos_id = _take(batch.values["item"], epos + 1)
+        neg_start = _excl(batch.lengths["negative"])[sample] + l_ * r
+        neg_id = _take(
+            batch.values["negative"], neg_start[:, None] + jnp.arange(r, dtype=jnp.int32)
+        )  # [E, R]
+        table = self.embedding.item
+        cand = jnp.concatenate([pos_id[:, None], neg_id], axis=1)  # [E, 1 + R]
+        emb = _normalize(jnp.take(table, cand, axis=0, mode="clip"))
+        logits = jnp.einsum("ed,erd->er", query, emb) / self.cfg.retrieval_temperature
+        dup = jnp.concatenate(
+            [jnp.zeros_like(pos_id[:, None], bool), neg_id == pos_id[:, None]], axis=1
+        )
+        logits = jnp.where(dup, -jnp.inf, logits)
+        per = jax.nn.logsumexp(logits, axis=1) - logits[:, 0]
+        rank = jnp.sum(logits[:, 1:] > logits[:, :1], axis=1)
+        hit = rank < TOP_K
+        ndcg = jnp.where(hit, 1.0 / jnp.log2(rank.astype(jnp.float32) + 2.0), 0.0)
+        aux = {
+            f"hr@{TOP_K}": jnp.sum(jnp.where(valid, hit, 0.0)) / denom,
+            f"ndcg@{TOP_K}": jnp.sum(jnp.where(valid, ndcg, 0.0)) / denom,
+        }
+        return jnp.sum(jnp.where(valid, per, 0.0)) / denom, aux
+
+
+def build_model(cfg: ModelConfig, max_seqlen: int, interpret: bool | None = None) -> HSTUModel:
+    attn = AttentionConfig(cfg.attention, max_seqlen, cfg.resolved_alpha, cfg.normalizer, interpret)
+    return HSTUModel(cfg, attn)
+
+
+_LAYER = re.compile(r"^layers_(\d+)$")
+
+
+def params_to_flax(params: dict[str, np.ndarray]) -> dict:
+    """Core dotted names (`layers.0.uvqk.kernel`) -> the Flax `params` tree."""
+    tree: dict = {}
+    for name, value in params.items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            parts = [f"layers_{parts[1]}", *parts[2:]]
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = jnp.asarray(value)
+    return tree
+
+
+def flax_to_params(tree) -> dict[str, np.ndarray]:
+    """Inverse of `params_to_flax` (host numpy arrays)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [str(getattr(p, "key", p)) for p in path]
+        m = _LAYER.match(parts[0])
+        if m:
+            parts = ["layers", m.group(1), *parts[1:]]
+        out[".".join(parts)] = np.asarray(leaf)
+    return out

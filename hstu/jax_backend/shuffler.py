@@ -1,0 +1,190 @@
+"""The data half of the JAX pipeline backend: placement, stats gather and the balanced exchange.
+
+`JaxShuffler` supplies `to_device`, `allgather_stats` and `exchange` of `hstu.pipeline.Backend`;
+the core `Balancer` drives it (identity or balanced, partitioning on its worker thread while the
+device runs the previous step under async dispatch). Collectives are jitted programs over the
+whole mesh, issued in the schedule's order, so every process issues the same sequence.
+
+Capacities: a batch's value buffers are sized when its shape is known to every process, i.e.
+right after the stats gather (the gathered stats carry every sample's per-key lengths), so the
+copy is issued then, still before the previous step's forward. The exchange output is sized
+from the plan (the post-shuffle per-rank sums); balancing lowers the largest rank's token count,
+hence the capacity every rank pads to: `capacity_before` / `capacity_after` report it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from jax.sharding import Mesh
+
+from hstu.batch import JaggedBatch
+from hstu.jax_backend import batch as jb
+from hstu.jax_backend import collectives as col
+from hstu.pipeline import Balancer, Prepared, gathered_lengths, sample_stats
+from hstu.shuffle_plan import ShufflePlan
+
+
+@dataclass
+class Placed:
+    """A batch on its way to (or on) the devices, with its capacity figures."""
+
+    host: list[JaggedBatch] | None  # until the global shape is known
+    batch: jb.DeviceBatch | None = None
+    lengths: dict[str, np.ndarray] = field(default_factory=dict)  # per key [W * B], global
+    tokens_before: int = 0  # largest per-rank token count as loaded
+    capacity_before: int = 0  # token capacity (bucketed) as loaded
+    tokens_after: int = 0
+    capacity_after: int = 0
+
+    def metrics(self) -> dict[str, int]:
+        return {
+            "tokens_max_before": self.tokens_before,
+            "tokens_max_after": self.tokens_after,
+            "capacity_before": self.capacity_before,
+            "capacity_after": self.capacity_after,
+        }
+
+
+def _rank_lengths(lengths: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[rows] for k, v in lengths.items()}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def plan_exchange(
+    plan: ShufflePlan, lengths: dict[str, np.ndarray], spec_in: jb.BatchSpec, kind: str
+) -> tuple[col.ExchangeSpec, dict[str, np.ndarray]]:
+    """Host side of an exchange: its static spec and the `[W, ...]` int32 row tables.
+
+    `lengths[key]` holds every global sample's length (`[W * B]`, rank-major), which every
+    process knows from the stats gather. all2all chunks are sized to the largest (src, dst)
+    transfer (rows: next power of two, at most B; values: `bucket_capacity`), so a balanced
+    plan that moves few samples also sends small chunks.
+    """
+    w, b = plan.world_size, plan.batch_size
+    after = _rank_lengths(lengths, plan.indices)  # [W, B] per key
+    spec_out = jb.spec_for_lengths(spec_in, after)
+    tables = {"num_real": plan.num_real.astype(np.int32)}
+    if kind == "allgather":
+        tables["rows"] = plan.indices.astype(np.int32)
+        return col.ExchangeSpec(kind, w, spec_in, spec_out), tables
+    sends = [
+        [plan.send_local(s, d) if s != d else np.zeros(0, np.int64) for d in range(w)]
+        for s in range(w)
+    ]
+    num_rows = min(b, next_pow2(max([len(x) for row in sends for x in row] + [1])))
+    send_rows = np.full((w, w, num_rows), b, np.int32)
+    chunks = [0] * len(spec_in.keys)
+    for s in range(w):
+        for d in range(w):
+            send_rows[s, d, : len(sends[s][d])] = sends[s][d]
+            rows = s * b + sends[s][d]
+            for i, key in enumerate(spec_in.keys):
+                chunks[i] = max(chunks[i], int(lengths[key][rows].sum()))
+    recv_rows = np.full((w, b), w * num_rows + b, np.int32)
+    for d in range(w):
+        seen = np.zeros(w, np.int64)  # rows from each source arrive in ascending order
+        for j, g in enumerate(plan.indices[d, : plan.num_real[d]]):
+            s, i = divmod(int(g), b)
+            recv_rows[d, j] = num_rows * w + i if s == d else s * num_rows + seen[s]
+            seen[s] += s != d
+    tables |= {"send_rows": send_rows, "recv_rows": recv_rows}
+    xspec = col.ExchangeSpec(
+        kind, w, spec_in, spec_out, num_rows, tuple(jb.bucket_capacity(c) for c in chunks)
+    )
+    return xspec, tables
+
+
+class JaxShuffler:
+    """`to_device` / `allgather_stats` / `exchange` of the pipeline Backend, over a mesh."""
+
+    def __init__(self, mesh: Mesh, exchange: str = "allgather"):
+        if exchange not in ("allgather", "all2all"):
+            raise ValueError(f"exchange must be 'allgather' or 'all2all', got {exchange!r}")
+        self.mesh, self.exchange_kind = mesh, exchange
+        self.world_size = mesh.size
+        self.local_ranks = col.local_ranks(mesh)
+        self.sharding = col.rank_sharding(mesh)
+        self._pending: list[Placed] = []
+        self.compiled: set = set()  # distinct static shapes seen = jit compilations
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self.compiled)
+
+    def to_device(self, batches: Sequence[JaggedBatch]) -> Placed:
+        placed = Placed(list(batches))
+        self._pending.append(placed)  # its copy starts once the stats gather sizes it
+        return placed
+
+    def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
+        stats = col.allgather_stats(self.mesh, local_stats)
+        self.compiled.add(("stats", local_stats.shape))
+        if self._pending:
+            placed = self._pending.pop(0)
+            self._materialize(placed, gathered_lengths(stats, placed.host[0].keys))
+        return stats
+
+    def _materialize(self, placed: Placed, lengths: dict[str, np.ndarray]) -> None:
+        w = self.world_size
+        rank_lengths = {k: v.reshape(w, -1) for k, v in lengths.items()}
+        spec = jb.spec_for(placed.host[0], rank_lengths)
+        placed.batch = jb.to_device(placed.host, self.sharding, spec)
+        placed.lengths, placed.host = lengths, None
+        placed.tokens_before = placed.tokens_after = int(
+            jb.token_counts(rank_lengths).sum(axis=1).max(initial=0)
+        )
+        placed.capacity_before = placed.capacity_after = spec.token_capacity
+
+    def ensure(self, placed: Placed) -> Placed:
+        """Materialise a batch that skipped the stats gather (single process only)."""
+        if placed.batch is None:
+            if placed in self._pending:
+                self._pending.remove(placed)
+            keys = placed.host[0].keys
+            self._materialize(
+                placed, {k: np.concatenate([b.lengths[k] for b in placed.host]) for k in keys}
+            )
+        return placed
+
+    def exchange(
+        self, placed: Placed, plan: ShufflePlan, stats: np.ndarray | None = None
+    ) -> Placed:
+        # Buffers were sized at the stats gather already (`allgather_stats`), so `stats` is
+        # not needed here; it is accepted to follow the pipeline's Backend protocol.
+        placed = self.ensure(placed)
+        xspec, tables = plan_exchange(plan, placed.lengths, placed.batch.spec, self.exchange_kind)
+        self.compiled.add(("exchange", xspec))
+        local = {k: col.put_local(self.mesh, v[self.local_ranks]) for k, v in tables.items()}
+        out = col.exchange_fn(self.mesh, xspec)(placed.batch, local)
+        after = _rank_lengths(placed.lengths, plan.indices)
+        return Placed(
+            None,
+            out,
+            {k: v.reshape(-1) for k, v in after.items()},
+            placed.tokens_before,
+            placed.capacity_before,
+            int(jb.token_counts(after).sum(axis=1).max(initial=0)),
+            xspec.spec_out.token_capacity,
+        )
+
+    def shuffle(
+        self,
+        batches: Sequence[JaggedBatch],
+        cost,
+        task: str,
+        shuffler: str = "balanced",
+        method: str = "auto",
+    ) -> Prepared:
+        """One global batch through both balancer phases (library use, outside `run`)."""
+        balancer = Balancer(self, shuffler, method, overlap=False)
+        try:
+            dev = self.to_device(batches)
+            return balancer.phase2(*balancer.phase1(dev, sample_stats(batches, cost, task)))
+        finally:
+            balancer.close()

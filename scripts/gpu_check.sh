@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build, check and time everything on a GPU machine in one go; prints a short table at the end.
+#
+#   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train (default: all)
+#
+# The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
+# them first from the wheel parts made by ../shared/gpu/pack.sh (PARTS_DIR=... .gpu/install.sh),
+# which puts them under /tmp/site. Nothing here downloads anything.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hstu-gpu-out}
+mkdir -p "$OUT"
+# The repo is not pip-installed there: expose `kernels/` under its import name.
+mkdir -p /tmp/hstu-path && ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels
+export PYTHONPATH=/tmp/site:/tmp/hstu-path:$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+sections=${*:-env kernels bench train}
+declare -a rows
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/fail and seconds
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  if "$@" 2>&1 | tee "$OUT/$name.log"; then status=ok; else status=FAIL; fi
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=FAIL
+  rows+=("$(printf '%-28s %-6s %5ss' "$name" "$status" $((SECONDS - t0)))")
+}
+
+for s in $sections; do
+  case $s in
+    env)
+      run env python -c "
+import torch, triton, jax, torchrec, fbgemm_gpu
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())
+print('triton', triton.__version__, 'jax', jax.__version__, jax.devices())
+print('torchrec', torchrec.__version__)" ;;
+    kernels)
+      run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py
+      run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py ;;
+    bench)
+      run triton_bench python -m hstu_kernels.triton.bench
+      run pallas_bench python -m hstu_kernels.pallas.bench ;;
+    train)
+      run torch_train_1gpu python -m hstu.cli train --backend torch --config configs/gpu.yaml \
+        output_dir="$OUT/torch_train"
+      run jax_train_1gpu python -m hstu.cli train --backend jax --config configs/gpu.yaml \
+        output_dir="$OUT/jax_train" ;;
+    *) echo "unknown section $s"; exit 2 ;;
+  esac
+done
+
+echo
+echo "summary ($(python -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null))"
+printf '%s\n' "${rows[@]}"

@@ -1,0 +1,132 @@
+"""JAX batch pytree: lossless JaggedBatch round trips, capacities, exchange host tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from hstu.batch import JaggedBatch, empty_like  # noqa: E402
+from hstu.config import load_config  # noqa: E402
+from hstu.data.synthetic import dataset_from_config  # noqa: E402
+from hstu.errors import HSTUError  # noqa: E402
+from hstu.jax_backend import batch as jb  # noqa: E402
+from hstu.jax_backend import collectives as col  # noqa: E402
+from hstu.jax_backend.shuffler import JaxShuffler, plan_exchange  # noqa: E402
+from hstu.shuffle_plan import identity_plan, make_plan  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return col.make_mesh(jax.devices()[:1])
+
+
+def _batches(task="ranking", num_samples=0, index=0, world=1):
+    cfg = load_config(
+        "configs/demo.yaml", [f"model.task={task}", f"data.num_samples={num_samples}"]
+    )
+    return dataset_from_config(cfg, world, 0).global_batch(index)
+
+
+def _with_dense(b: JaggedBatch) -> JaggedBatch:
+    """Extra dense fields: float32 (bit-exact), 2-D int, bool."""
+    out = b.clone()
+    real = np.arange(b.batch_size) < b.actual_batch_size
+    rng = np.random.default_rng(0)
+    out.dense["score"] = np.where(real, rng.normal(size=b.batch_size), 0).astype(np.float32)
+    out.dense["pair"] = (rng.integers(-5, 5, (b.batch_size, 2)) * real[:, None]).astype(np.int64)
+    out.dense["flag"] = real & (rng.random(b.batch_size) < 0.5)
+    return out.validate()
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_round_trip_lossless(mesh, task):
+    full = _batches(task)[0]
+    incomplete = _batches(task, num_samples=5)[0]  # 5 real of 8
+    for host in (full, incomplete, _with_dense(incomplete), empty_like(full)):
+        dev = jb.to_device([host], col.rank_sharding(mesh))
+        back = jb.to_jagged(dev)
+        assert len(back) == 1 and back[0].diff(host) == []
+        leaves, treedef = jax.tree_util.tree_flatten(dev)
+        again = jax.tree_util.tree_unflatten(treedef, leaves)  # a pytree with static spec
+        assert again.spec == dev.spec and jb.to_jagged(again)[0].diff(host) == []
+
+
+def test_values_past_lengths_are_zero(mesh):
+    host = _batches()[0]
+    dev = jb.to_device([host], col.rank_sharding(mesh))
+    for key in host.keys:
+        vals = np.asarray(dev.values[key])[0]
+        assert not vals[host.lengths[key].sum() :].any()
+
+
+def test_int32_range_is_checked(mesh):
+    host = _batches()[0].clone()
+    host.values["item_time"][0] = 2**40
+    with pytest.raises(HSTUError, match="item_time.*int32"):
+        jb.to_device([host], col.rank_sharding(mesh))
+
+
+def test_bucket_capacity():
+    assert [jb.bucket_capacity(n) for n in (0, 1, 128, 129, 256, 257, 1000)] == [
+        128,
+        128,
+        128,
+        256,
+        256,
+        512,
+        1024,
+    ]
+    assert [jb.bucket_capacity(n, fine=True) for n in (129, 193, 257, 385)] == [192, 256, 384, 512]
+    for n in range(0, 5000, 37):
+        c = jb.bucket_capacity(n)
+        assert c >= n and (c == 128 or c < 2 * n)
+
+
+def test_spec_capacities_derive_from_tokens():
+    hosts = _batches(world=4)
+    spec = jb.spec_from_batches(hosts)
+    tokens = max(b.num_real_tokens() for b in hosts)
+    assert spec.token_capacity == jb.bucket_capacity(tokens)
+    assert spec.capacity("item") == spec.token_capacity // 2
+    assert spec.capacity("label") == spec.token_capacity
+    for key in spec.keys:
+        assert spec.capacity(key) >= max(int(b.lengths[key].sum()) for b in hosts)
+
+
+def test_stats_gather_is_exact_int64(mesh):
+    stats = np.array([[2**40 + 3, -7, 0], [1, 2**62, -(2**50)]], dtype=np.int64)
+    assert np.array_equal(col.allgather_stats(mesh, stats), stats)
+
+
+@pytest.mark.parametrize("kind", ["allgather", "all2all"])
+def test_single_rank_exchange_is_identity(mesh, kind):
+    host = _batches(num_samples=6)
+    shuffler = JaxShuffler(mesh, kind)
+    placed = shuffler.ensure(shuffler.to_device(host))
+    plan = identity_plan(np.arange(8) < 6, 1)
+    out = shuffler.exchange(placed, plan, None)
+    assert jb.to_jagged(out.batch)[0].diff(host[0]) == []
+    assert out.capacity_after == placed.capacity_before
+
+
+def test_all2all_tables_move_only_real_samples():
+    hosts = _batches(world=4, num_samples=52, index=1)  # ranks hold 8, 8, 4, 0 real samples
+    stats_lengths = {k: np.concatenate([b.lengths[k] for b in hosts]) for k in hosts[0].keys}
+    tokens = np.concatenate([b.seq_lengths() for b in hosts])
+    real = np.concatenate([np.arange(8) < b.actual_batch_size for b in hosts])
+    plan = make_plan(tokens, real, 4)
+    spec = jb.spec_from_batches(hosts)
+    xspec, tables = plan_exchange(plan, stats_lengths, spec, "all2all")
+    counts = plan.send_counts()
+    sent = (tables["send_rows"] < 8).sum(axis=2)
+    assert np.array_equal(sent, counts - np.diag(np.diag(counts)))
+    assert xspec.num_rows >= sent.max()
+    w, r, b = 4, xspec.num_rows, 8
+    for d in range(4):  # every real output row comes from a chunk or the own batch
+        rows = tables["recv_rows"][d]
+        assert (rows[: plan.num_real[d]] < w * r + b).all()
+        assert (rows[plan.num_real[d] :] == w * r + b).all()
+    ag_spec, ag = plan_exchange(plan, stats_lengths, spec, "allgather")
+    assert np.array_equal(ag["rows"], plan.indices) and ag_spec.spec_out == xspec.spec_out
