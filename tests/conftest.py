@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
 
-from hstu.config import load_config
-from hstu.testing import DEMO_CONFIG
+import torch
 
+# Without a GPU the Triton kernels run in the interpreter. The flag must be set before triton is
+# first imported, and torchrec / torch._dynamo import it early, so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-def _has_cuda() -> bool:
-    try:
-        import torch
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+from hstu.config import load_config  # noqa: E402
+from hstu.testing import DEMO_CONFIG  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
+    if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:

@@ -1,0 +1,342 @@
+"""Triton HSTU attention vs the plain-torch reference (kernels/README.md contract).
+
+Without CUDA the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, set here before
+triton is imported) on small shapes; with CUDA they run compiled on larger shapes (``gpu``).
+"""
+
+import importlib
+import os
+import zlib
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # must happen before hstu_kernels.triton decorates its kernels
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from hstu_kernels.triton import (  # noqa: E402
+    BlockSizes,
+    hstu_attention,
+    hstu_attention_reference,
+    hstu_mask_reference,
+)
+from hstu_kernels.triton.hstu_attention import (  # noqa: E402
+    hstu_attention_fwd,
+    is_interpret_mode,
+)
+
+# the module (the package attribute of the same name is the function)
+hstu_attention_module = importlib.import_module("hstu_kernels.triton.hstu_attention")
+_INTERPRET = is_interpret_mode()
+if not _CUDA and not _INTERPRET:
+    pytest.skip(
+        "no CUDA and the Triton kernels were built before TRITON_INTERPRET=1 was set "
+        "(hstu_kernels.triton imported earlier in this process); run this file on its own "
+        "or export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+MODES = [
+    pytest.param(
+        "interpret",
+        marks=pytest.mark.skipif(
+            not _INTERPRET, reason="interpret mode: kernels are compiled for CUDA in this process"
+        ),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA"),
+        ],
+    ),
+]
+
+# name -> (contextual, candidates, rab_pos, rab_time)
+CASES = {
+    "plain": (False, False, False, False),
+    "ctx": (True, False, False, False),
+    "cand": (False, True, False, False),
+    "ctx_cand": (True, True, False, False),
+    "plain_rab": (False, False, True, True),
+    "ctx_rab": (True, False, True, True),
+    "cand_rab": (False, True, True, True),
+    "ctx_cand_pos": (True, True, True, False),
+    "ctx_cand_time": (True, True, False, True),
+    "ctx_cand_rab": (True, True, True, True),
+}
+# (case, dtype, tiles): every case in fp32, the hardest and the plainest in bf16 / fp16, and
+# the hardest with block_m != block_n (the block-skipping ranges depend on both)
+COMBOS = [(c, torch.float32, "default") for c in CASES] + [
+    ("plain", torch.bfloat16, "default"),
+    ("ctx_cand_rab", torch.bfloat16, "default"),
+    ("ctx_cand_rab", torch.float16, "default"),
+    ("ctx_cand_rab", torch.float32, "uneven"),
+]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+# per mode: sample lengths (with a zero-length and a length-1 sample), contextual / candidate
+# counts, max_seqlen, heads, dims, capacity-padding rows, rab sizes, block sizes
+SHAPES = {
+    "interpret": dict(
+        lengths=[13, 0, 1, 40, 7],
+        ctx=[3, 0, 1, 5, 0],
+        cand=[2, 0, 0, 6, 3],
+        max_seqlen=40,
+        H=2,
+        D=16,
+        Dv=24,
+        pad=3,
+        P=12,
+        TB=8,
+        blocks={
+            "default": BlockSizes(16, 16, 1, 1),
+            "uneven": (BlockSizes(32, 16, 1, 1), BlockSizes(16, 32, 1, 1)),
+        },
+    ),
+    "cuda": dict(
+        lengths=[300, 0, 1, 1000, 77, 513],
+        ctx=[10, 0, 1, 64, 0, 5],
+        cand=[20, 0, 0, 100, 7, 0],
+        max_seqlen=1100,
+        H=4,
+        D=64,
+        Dv=96,
+        pad=17,
+        P=256,
+        TB=16,
+        blocks={
+            "default": None,
+            "uneven": (BlockSizes(32, 64, 4, 1), BlockSizes(64, 32, 4, 1)),  # fp32: FMA dots
+        },
+    ),
+}
+
+
+def _device(mode: str) -> torch.device:
+    return torch.device("cpu" if mode == "interpret" else "cuda")
+
+
+def _make_inputs(mode, case, dtype, seed):
+    cfg = SHAPES[mode]
+    has_ctx, has_cand, has_pos, has_time = CASES[case]
+    dev = _device(mode)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(cfg["lengths"])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    T = int(offsets[-1]) + cfg["pad"]
+    H, D, Dv = cfg["H"], cfg["D"], cfg["Dv"]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dev)
+
+    qkv = [rnd(T, H, D), rnd(T, H, D), rnd(T, H, Dv)]
+    kw = dict(max_seqlen=cfg["max_seqlen"], alpha=1.0 / D**0.5, normalizer=float(cfg["max_seqlen"]))
+    if has_ctx:
+        kw["num_contextual"] = torch.tensor(cfg["ctx"], dtype=torch.int32, device=dev)
+    if has_cand:
+        kw["num_candidates"] = torch.tensor(cfg["cand"], dtype=torch.int64, device=dev)
+    tables = {}
+    if has_pos:
+        tables["rab_pos"] = rnd(H, cfg["P"], scale=0.5)
+    if has_time:
+        tables["rab_time"] = rnd(H, cfg["TB"], scale=0.5)
+        gaps = torch.randint(0, 300, (T,), generator=gen)
+        kw["timestamps"] = gaps.cumsum(0).to(dev)  # spans more than TB log2 buckets
+    grad_out = rnd(T, H, Dv)
+    return qkv, offsets.to(dev), kw, tables, grad_out, int(offsets[-1])
+
+
+def _assert_close(actual, expected, tol, what):
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype", "tiles"), COMBOS, ids=[f"{c}-{str(d)[6:]}-{t}" for c, d, t in COMBOS]
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
+    seed = zlib.crc32(f"{mode}/{case}/{dtype}".encode())
+    qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, seed)
+    names = ["q", "k", "v", *tables]
+
+    # kernel: inputs in `dtype`; reference: the same (rounded) values in fp32
+    leaves = [x.to(dtype).requires_grad_() for x in qkv] + [
+        t.clone().requires_grad_() for t in tables.values()
+    ]
+    ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+
+    def call(fn, xs, **extra):
+        q, k, v, *tabs = xs
+        return fn(q, k, v, offsets, **kw, **dict(zip(tables, tabs)), **extra)
+
+    out = call(hstu_attention, leaves, block_sizes=SHAPES[mode]["blocks"][tiles])
+    ref = call(hstu_attention_reference, ref_leaves)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOL[dtype]
+    _assert_close(out, ref, tol, "out")
+    assert torch.all(out[total:] == 0), "capacity-padding rows must be zero"
+
+    grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
+    for name, g, rg, leaf in zip(names, grads, ref_grads, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
+        # a bias bucket sums up to ~B * n^2 terms (the clamped last one most): fp32 order noise
+        _assert_close(g, rg, max(tol, 1e-4) if name.startswith("rab") else tol, f"d{name}")
+        if name in ("q", "k", "v"):
+            assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
+
+
+@pytest.mark.parametrize("num_buckets", [31, 40], ids=["int32_buckets", "int64_buckets"])
+@pytest.mark.parametrize("mode", MODES)
+def test_time_buckets_exact_near_powers_of_two(mode, num_buckets):
+    """rab_time buckets are floor(log2(1 + |dt|)) exactly, also where fp32 would round."""
+    dev = _device(mode)
+    ts = [0, 1, 2, 3, 6, 7, 2**20 - 2, 2**20 - 1, 2**24, 2**25 - 2, 2**25 - 1]
+    ts += [2**30 - 2, 2**30 - 1, 2**31 - 1, 2**36 - 2, 2**36 - 1, 2**38, 2**40 + 5]
+    n = len(ts)
+    timestamps = torch.tensor(ts, dtype=torch.int64, device=dev)
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.zeros(n, 1, 16, device=dev) for _ in range(2))  # z = bias only
+    v = torch.eye(n, 32)[:, None, :].to(dev)  # out[i, 0, j] = silu(bias(i, j)) * mask / N
+    rab_time = torch.randn(1, num_buckets, generator=gen).to(dev).requires_grad_()
+    kw = dict(max_seqlen=n, alpha=1.0, normalizer=1.0, timestamps=timestamps, rab_time=rab_time)
+    kw["num_contextual"] = torch.tensor([n], device=dev)  # every pair visible
+    offsets = torch.tensor([0, n], device=dev)
+    out = hstu_attention(q, k, v, offsets, **kw, block_sizes=SHAPES[mode]["blocks"]["default"])
+    ref = hstu_attention_reference(q, k, v, offsets, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    (g,) = torch.autograd.grad(out.sum(), rab_time)
+    (rg,) = torch.autograd.grad(ref.sum(), rab_time)
+    torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
+
+
+def _brute_force_mask(n, C, K):
+    """The README's prose, case by case."""
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            if i == j:
+                mask[i, j] = True  # everyone sees itself
+            elif j >= n - K:
+                mask[i, j] = False  # candidate keys are seen by themselves only
+            elif i < C:
+                mask[i, j] = True  # contextual queries see every contextual + history key
+            elif j < C:
+                mask[i, j] = True  # every query sees the contextual keys
+            elif i >= n - K:
+                mask[i, j] = True  # candidates see contextual + history keys
+            else:
+                mask[i, j] = j <= i  # history: causal
+    return mask
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 9])
+def test_mask_reference_matches_brute_force(n):
+    for C in range(n + 1):
+        for K in range(n - C + 1):
+            expect = _brute_force_mask(n, C, K)
+            assert torch.equal(hstu_mask_reference(n, C, K), expect), (n, C, K)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hstu_attention_validation(mode):
+    dev = _device(mode)
+    q = torch.randn(6, 2, 16, device=dev)
+    offs = torch.tensor([0, 2, 6], device=dev)
+    kw = dict(max_seqlen=4, alpha=1.0, normalizer=4.0)
+    with pytest.raises(ValueError, match="k"):
+        hstu_attention(q, q[:, :1], q, offs, **kw)
+    with pytest.raises(ValueError, match="v"):
+        hstu_attention(q, q, q.half(), offs, **kw)
+    with pytest.raises(ValueError, match="seq_offsets"):
+        hstu_attention(q, q, q, offs.float(), **kw)
+    with pytest.raises(ValueError, match="num_candidates"):
+        hstu_attention(q, q, q, offs, num_candidates=torch.zeros(3, dtype=torch.int64), **kw)
+    with pytest.raises(ValueError, match="timestamps"):
+        hstu_attention(q, q, q, offs, rab_time=torch.zeros(2, 4, device=dev), **kw)
+    with pytest.raises(ValueError, match="rab_pos"):
+        hstu_attention(q, q, q, offs, rab_pos=torch.zeros(3, 4, device=dev), **kw)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        hstu_attention(q, q, q, offs, max_seqlen=-1, alpha=1.0, normalizer=4.0)
+    if dev.type == "cuda":
+        with pytest.raises(ValueError, match="k"):
+            hstu_attention(q, q.cpu(), q, offs, **kw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_custom_op_registration_and_graph_capture(mode, monkeypatch):
+    dev = _device(mode)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(20, 2, 16, generator=gen).to(dev) for _ in range(3))
+    offs = torch.tensor([0, 7, 18], device=dev)
+    rab_pos = torch.randn(2, 8, generator=gen).to(dev)
+    blocks = [16, 16, 1, 1, 16, 16, 1, 1] if mode == "interpret" else [64, 64, 4, 2] * 2
+    args = (q, k, v, offs, 16, 0.5, 16.0, None, None, None, rab_pos, None, blocks)
+    torch.library.opcheck(hstu_attention_fwd, args)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
+    bs = SHAPES[mode]["blocks"]["default"]
+
+    def f(q, k, v, rab_pos):
+        out = hstu_attention(
+            q, k, v, offs, max_seqlen=16, alpha=0.5, normalizer=16.0, rab_pos=rab_pos,
+            block_sizes=bs,
+        )  # fmt: skip
+        return (out.float() ** 2).sum()
+
+    backend = "aot_eager" if mode == "interpret" else "inductor"
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    loss = compiled(*leaves)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
+    ref = f(*ref_leaves)  # eager: the autograd.Function fast path
+    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    torch.testing.assert_close(loss, ref)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg)
+    # eager through the torch.library op (register_autograd) gives the same
+    monkeypatch.setattr(hstu_attention_module, "EAGER_FAST_PATH", False)
+    op_leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
+    op_out = f(*op_leaves)
+    op_grads = torch.autograd.grad(op_out, op_leaves)
+    torch.testing.assert_close(op_out, ref)
+    for g, rg in zip(op_grads, ref_grads):
+        torch.testing.assert_close(g, rg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
+@pytest.mark.parametrize("with_masks", [False, True], ids=["causal", "ctx_cand_rab"])
+def test_hstu_attention_seqlen_4096_bf16(with_masks):
+    gen = torch.Generator().manual_seed(4096)
+    B, N, H, D = 2, 4096, 4, 128
+    dev = torch.device("cuda")
+    offsets = torch.arange(B + 1, device=dev) * N
+    q, k, v, grad_out = (
+        torch.randn(B * N, H, D, generator=gen).to(dev, torch.bfloat16) for _ in range(4)
+    )
+    kw = dict(max_seqlen=N, alpha=1.0 / D**0.5, normalizer=float(N))
+    if with_masks:
+        kw["num_contextual"] = torch.tensor([16, 0], device=dev)
+        kw["num_candidates"] = torch.tensor([200, 64], device=dev)
+        kw["timestamps"] = torch.randint(0, 100, (B * N,), generator=gen).cumsum(0).to(dev)
+        kw["rab_pos"] = (torch.randn(H, N, generator=gen) * 0.5).to(dev)
+        kw["rab_time"] = (torch.randn(H, 32, generator=gen) * 0.5).to(dev)
+    leaves = [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()]
+    out = hstu_attention(*leaves, offsets, **kw)
+    (dq, dk, dv) = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+    ref = hstu_attention_reference(*ref_leaves, offsets, **kw)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.float())
+    tol = TOL[torch.bfloat16]
+    _assert_close(out, ref, tol, "out")
+    for name, g, rg in zip("qkv", (dq, dk, dv), ref_grads):
+        _assert_close(g, rg, tol, f"d{name}")
