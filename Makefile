@@ -19,7 +19,7 @@ TORCHREC_DEPS := tensordict==0.15.3 pyre-extensions==0.0.32 typing-inspect==0.9.
 JAX_PKGS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
 OTHER_PKGS := triton==3.9.0 numpy pyyaml pytest hypothesis ruff pytest-timeout
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench parity clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,9 @@ format: setup
 
 bench: setup
 	$(VENV)/bin/hstu bench balance
+
+parity: setup
+	$(VENV)/bin/hstu parity --config configs/demo.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

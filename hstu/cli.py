@@ -29,6 +29,28 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from hstu.checkpoint import convert, describe, find_run_config
+    from hstu.config import load_config
+
+    config = args.config or find_run_config(args.src)
+    if config is None:
+        raise HSTUError(
+            f"no --config given and no config.yaml found above {args.src}: pass the recipe "
+            "the checkpoint was trained with"
+        )
+    cfg = load_config(config, args.overrides)
+    state, written = convert(args.src_backend, args.dst_backend, args.src, args.dst, cfg)
+    print(f"{args.src_backend} {state.source} -> {args.dst_backend} {written}: {describe(state)}")
+    return 0
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from hstu.parity import main as parity_main
+
+    return parity_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "balance":
         from hstu.bench.balance import main as bench_main
@@ -54,6 +76,51 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(func=_train)
 
+    convert = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between backends (parameters, AdamW state, data position)",
+        description="Convert SRC (a run directory, checkpoints root, step-N folder, or a "
+        "parameters file: *.pt torch state_dict, *.msgpack Flax params) written by one backend "
+        "into DST for the other. A run directory as DST gets DST/checkpoints/step-N, which "
+        "`hstu train ... output_dir=DST train.resume=true` resumes. key=value arguments "
+        "override the config.",
+    )
+    convert.add_argument("--from", dest="src_backend", required=True, choices=["torch", "jax"])
+    convert.add_argument("--to", dest="dst_backend", required=True, choices=["torch", "jax"])
+    convert.add_argument("src", metavar="SRC")
+    convert.add_argument("dst", metavar="DST")
+    convert.add_argument(
+        "--config", default=None, help="the run's recipe (default: config.yaml above SRC)"
+    )
+    convert.add_argument("overrides", nargs="*", metavar="key=value")
+    convert.set_defaults(func=_convert)
+
+    parity = sub.add_parser(
+        "parity",
+        help="train a recipe with both backends and compare the loss curves",
+        description="Train the recipe with the torch and the jax backend (each in its own "
+        "process) and print per-step losses side by side with their differences and each "
+        "backend's tokens/s. Exits 1 when the largest relative difference exceeds --rtol "
+        "(or a backend drifts from --golden).",
+    )
+    parity.add_argument("--config", default="configs/demo.yaml")
+    parity.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="largest allowed relative loss difference (default by model.dtype: float32 1e-4, "
+        "float16 5e-3, bfloat16 3e-2; see hstu/parity.py for why)",
+    )
+    parity.add_argument(
+        "--output-dir", default=None, help="where the two runs go (default: <output_dir>/parity)"
+    )
+    parity.add_argument("--golden", default=None, help="also check both curves against this file")
+    parity.add_argument(
+        "--write-golden", default=None, help="write the agreed curve to this golden file"
+    )
+    parity.add_argument("overrides", nargs="*", metavar="key=value")
+    parity.set_defaults(func=_parity)
+
     bench = sub.add_parser("bench", help="benchmarks (balance: partitioner quality and time)")
     bench.add_argument("what", choices=["balance"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
@@ -63,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a positional list at the first option, so overrides given after
+    # an option (`SRC DST --config C key=value`) come back unparsed: they are overrides too.
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except HSTUError as exc:

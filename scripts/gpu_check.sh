@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, check and time everything on a GPU machine in one go; prints a short table at the end.
 #
-#   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train (default: all)
+#   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
+#                                               (default: all)
 #
 # The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
 # them first from the wheel parts made by ../shared/gpu/pack.sh (PARTS_DIR=... .gpu/install.sh),
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 mkdir -p /tmp/hstu-path && ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels
 export PYTHONPATH=/tmp/site:/tmp/hstu-path:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-sections=${*:-env kernels bench train}
+sections=${*:-env kernels bench train parity}
 declare -a rows
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/fail and seconds
@@ -45,6 +46,13 @@ print('torchrec', torchrec.__version__)" ;;
         output_dir="$OUT/torch_train"
       run jax_train_1gpu python -m hstu.cli train --backend jax --config configs/gpu.yaml \
         output_dir="$OUT/jax_train" ;;
+    parity)
+      # compiled Triton vs compiled Pallas vs both references; then the demo recipe on one GPU
+      # (1 rank x 32 samples = the golden file's 4 x 8 global batches) against the golden curve
+      run kernel_parity_gpu python -m pytest -q -m gpu tests/parity/test_kernel_parity.py
+      run demo_parity_1gpu python -m hstu.cli parity --config configs/demo.yaml \
+        train.steps=30 dist.world_size=1 data.batch_size=32 dist.device=gpu \
+        --output-dir "$OUT/parity" --golden tests/parity/golden_demo_losses.json ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -217,8 +217,8 @@ def to_device(
     )
 
 
-def _local_rows(x: jax.Array) -> np.ndarray:
-    """This process's rank rows of a rank-sharded array, in rank order."""
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rank rows of a rank-sharded array, in rank order (host numpy)."""
     if x.is_fully_addressable:
         return np.asarray(x)
     shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
@@ -228,10 +228,10 @@ def _local_rows(x: jax.Array) -> np.ndarray:
 def to_jagged(batch: DeviceBatch) -> list[JaggedBatch]:
     """DeviceBatch -> the per-rank JaggedBatches this process holds (host dtypes restored)."""
     spec = batch.spec
-    lengths = {k: _local_rows(batch.lengths[k]) for k in spec.keys}
-    values = {k: _local_rows(batch.values[k]) for k in spec.keys}
-    dense = {k: _local_rows(batch.dense[k]) for k in spec.dense_keys}
-    num_real = _local_rows(batch.num_real)
+    lengths = {k: local_rows(batch.lengths[k]) for k in spec.keys}
+    values = {k: local_rows(batch.values[k]) for k in spec.keys}
+    dense = {k: local_rows(batch.dense[k]) for k in spec.dense_keys}
+    num_real = local_rows(batch.num_real)
     out = []
     for r in range(num_real.shape[0]):
         lens = {k: lengths[k][r].astype(np.int64) for k in spec.keys}

@@ -17,14 +17,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from hstu.batch import JaggedBatch
+from hstu.errors import HSTUError
 from hstu.jax_backend import batch as jb
 from hstu.jax_backend import collectives as col
 from hstu.pipeline import Balancer, Prepared, gathered_lengths, sample_stats
 from hstu.shuffle_plan import ShufflePlan
+from hstu.workload import HSTUCost
+
+# Device arithmetic is int32 (JAX's default mode); the mask's pair count of a sample of n
+# tokens is below n^2, exact in int32 while n < 46341.
+MAX_EXACT_TOKENS = 46_340
 
 
 @dataclass
@@ -98,6 +106,34 @@ def plan_exchange(
         kind, w, spec_in, spec_out, num_rows, tuple(jb.bucket_capacity(c) for c in chunks)
     )
     return xspec, tables
+
+
+@jax.jit
+def _tokens_and_pairs(lengths: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    zeros = jnp.zeros_like(lengths["item"])
+    c = lengths.get("contextual", zeros)
+    k = lengths.get("candidate", zeros)
+    n = c + 2 * lengths["item"] + k
+    h = n - k  # contextual + history tokens
+    return n, c * h + (h * (h + 1) - c * (c + 1)) // 2 + k * (h + 1)
+
+
+def local_workloads(batch: jb.DeviceBatch, cost: HSTUCost) -> np.ndarray:
+    """Per-sample FLOPs `[len(local_ranks), batch_size]` (int64) of this process's ranks, from
+    the pytree's lengths.
+
+    The same formula as `HSTUCost.batch_flops` (hstu/workload.py): token and mask-pair counts
+    are computed on device from `batch.lengths`, then weighted on the host in int64 (the FLOPs
+    themselves overflow int32). The parity suite checks that both give identical numbers.
+    """
+    n, pairs = (jb.local_rows(x).astype(np.int64) for x in _tokens_and_pairs(batch.lengths))
+    if n.size and n.max() > MAX_EXACT_TOKENS:
+        raise HSTUError(
+            f"local_workloads: a sample has {int(n.max())} tokens; int32 pair counts are exact "
+            f"up to {MAX_EXACT_TOKENS}"
+        )
+    per_layer = n * cost.linear_flops_per_token() + pairs * cost.attention_flops_per_pair()
+    return per_layer * (cost.num_layers * (3 if cost.backward else 1))
 
 
 class JaxShuffler:

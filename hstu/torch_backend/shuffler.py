@@ -26,6 +26,7 @@ from hstu.pipeline import STAT_REAL
 from hstu.shuffle_plan import ShufflePlan
 from hstu.torch_backend import collectives
 from hstu.torch_backend.batch import TorchBatch, to_torch
+from hstu.workload import HSTUCost
 
 SHUFFLERS = ("identity", "balanced")
 EXCHANGES: dict[str, Callable[..., TorchBatch]] = {
@@ -44,6 +45,24 @@ def get_exchange(name: str) -> Callable[..., TorchBatch]:
     if name not in EXCHANGES:
         raise HSTUError(f"balance.exchange={name!r} is not one of {sorted(EXCHANGES)}")
     return EXCHANGES[name]
+
+
+def local_workloads(batch: TorchBatch, cost: HSTUCost) -> np.ndarray:
+    """Per-sample FLOPs `[batch_size]` (int64) of this rank's batch, from its KJT lengths.
+
+    The same formula as `HSTUCost.batch_flops` (see hstu/workload.py), evaluated with torch on
+    the batch's own device tensors; the parity suite checks that both give identical numbers.
+    """
+    lengths = dict(zip(batch.keys, batch.lengths_KB().to(torch.int64), strict=True))
+    zeros = torch.zeros(batch.batch_size, dtype=torch.int64, device=batch.device)
+    c = lengths.get("contextual", zeros)
+    k = lengths.get("candidate", zeros)
+    n = c + 2 * lengths.get("item", zeros) + k
+    h = n - k  # contextual + history tokens
+    pairs = c * h + (h * (h + 1) - c * (c + 1)) // 2 + k * (h + 1)
+    per_layer = n * cost.linear_flops_per_token() + pairs * cost.attention_flops_per_pair()
+    flops = per_layer * (cost.num_layers * (3 if cost.backward else 1))
+    return flops.cpu().numpy()
 
 
 class TorchShuffler:

@@ -37,6 +37,13 @@ from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.workload import HSTUCost
 
 
+def make_optimizer(params, tc) -> torch.optim.AdamW:
+    """AdamW on every parameter, decoupled weight decay (== optax.adamw of the JAX backend)."""
+    return torch.optim.AdamW(
+        params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay
+    )
+
+
 class TorchBackend(TorchShuffler):
     """The Backend protocol of `hstu.pipeline` for one data-parallel rank."""
 
@@ -54,10 +61,7 @@ class TorchBackend(TorchShuffler):
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.params = list(self.model.parameters())  # fixed order: the gradient bucket layout
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay
-        )
+        self.optimizer = make_optimizer(self.params, cfg.train)
 
     def forward_backward(self, device_batch, global_loss_tokens: int) -> dict:
         batch = self.ready(device_batch)
@@ -166,7 +170,7 @@ def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) 
     out_dir = Path(cfg.output_dir)
     # TorchRec's modules trip a one-time torch.fx deprecation notice on every rank: noise here.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    torch.manual_seed(cfg.train.seed * 100_003 + rank)
+    torch.manual_seed(checkpoint.rank_seed(cfg.train.seed, rank))
     backend = TorchBackend(cfg, rank, world_size, device, group)
     dataset = dataset_from_config(cfg, world_size, rank)
     root, start_step = checkpoint.checkpoint_root(out_dir), 0

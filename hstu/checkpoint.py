@@ -1,0 +1,200 @@
+"""Backend-neutral checkpoints: one portable training state that either backend reads and writes.
+
+Both backends hold exactly the parameters of `hstu.params` (same shapes, linear kernels
+`[in, out]`), so a checkpoint converts by renaming nothing: the portable state is keyed by the
+core names, and each backend maps its native names onto them in its own `checkpoint.py`
+(torch: TorchRec's `embedding.embeddings.<table>.weight` is `embedding.<table>`; Flax:
+`layers_<i>` is `layers.<i>`). What converts:
+
+* parameters (fp32);
+* AdamW state: first and second moments per parameter and the step count (torch
+  `exp_avg` / `exp_avg_sq` / `step` == optax `ScaleByAdamState.mu` / `nu` / `count`: the two
+  optimizers compute the same update, see docs/MODEL.md);
+* the training step and the data-iterator state (the index of the next global batch, the
+  same on every rank).
+
+What does not: RNG streams (a torch generator state has no JAX counterpart). The writer
+gives the target its own seeded initial RNG state, exactly what a fresh run of that backend
+starts from; the RNG only drives dropout, so with `model.dropout=0` a converted run continues
+the source run's loss curve to float tolerance.
+
+Locations (`SRC` / `DST` of `hstu convert`): a run's output directory (its `checkpoints/`
+holds `step-N` folders), a checkpoints root, or one `step-N` folder; or a parameters-only file:
+`*.pt` (a torch `state_dict`) or `*.msgpack` (Flax `{"params": tree}` bytes).
+
+This module imports neither torch nor jax; `convert` loads the two backends' halves lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hstu.errors import HSTUError
+from hstu.params import param_shapes
+
+BACKENDS = ("torch", "jax")
+PARAMS_SUFFIX = {"torch": ".pt", "jax": ".msgpack"}
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class AdamState:
+    """AdamW moments by core name, and the number of optimizer steps taken."""
+
+    count: int
+    mu: dict[str, np.ndarray]  # first moments (torch exp_avg)
+    nu: dict[str, np.ndarray]  # second moments (torch exp_avg_sq)
+
+
+@dataclass
+class PortableState:
+    """A training checkpoint in core names; `adam` and `data` are None for parameters only."""
+
+    step: int
+    params: dict[str, np.ndarray]
+    adam: AdamState | None = None
+    data: dict | None = None  # {"next_batch": int}
+    source: str = ""  # where it was read from (messages only)
+
+    @property
+    def is_training_state(self) -> bool:
+        return self.adam is not None and self.data is not None
+
+    def validate(self, model_cfg) -> PortableState:
+        """Names and shapes against `hstu.params.param_shapes`; HSTUError naming the tensor."""
+        where = f" in {self.source}" if self.source else ""
+        check_names(self.params, model_cfg, f"parameters{where}")
+        if self.adam is not None:
+            check_names(self.adam.mu, model_cfg, f"AdamW first moments{where}")
+            check_names(self.adam.nu, model_cfg, f"AdamW second moments{where}")
+            if self.adam.count < 0:
+                raise HSTUError(f"AdamW step count{where} is negative: {self.adam.count}")
+        if self.step < 0:
+            raise HSTUError(f"checkpoint step{where} is negative: {self.step}")
+        if self.data is not None and int(self.data.get("next_batch", -1)) < 0:
+            raise HSTUError(f"data state{where} has no valid 'next_batch': {self.data}")
+        return self
+
+
+def check_names(tensors: dict[str, np.ndarray], model_cfg, what: str) -> None:
+    expected = param_shapes(model_cfg)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise HSTUError(
+            f"{what} do not match the configured model: missing {missing}, "
+            f"unexpected {unexpected} (check --config)"
+        )
+    for name, arr in tensors.items():
+        if tuple(np.shape(arr)) != expected[name]:
+            raise HSTUError(
+                f"{what}: {name} has shape {list(np.shape(arr))}, the configured model "
+                f"expects {list(expected[name])} (check --config)"
+            )
+
+
+# ------------------------------------------------------------------------------ locations
+def is_params_file(path: str | Path) -> bool:
+    return Path(path).suffix in PARAMS_SUFFIX.values()
+
+
+def step_of(path: Path) -> int | None:
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoints_root(path: str | Path) -> Path:
+    """The folder holding `step-N` folders, from a run's output dir or the root itself."""
+    path = Path(path)
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def source_step_dir(path: str | Path, complete_steps) -> Path:
+    """The `step-N` folder to read: `path` itself, or the newest complete one under it.
+
+    `complete_steps(root) -> sorted list of ints` is the backend's notion of a finished save.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise HSTUError(f"checkpoint source {str(path)!r} does not exist")
+    if step_of(path) is not None:
+        return path
+    root = checkpoints_root(path)
+    steps = complete_steps(root)
+    if not steps:
+        raise HSTUError(f"no complete step-N checkpoint under {str(root)!r}")
+    return root / f"step-{steps[-1]}"
+
+
+def dest_step_dir(path: str | Path, step: int) -> Path:
+    """Where to write step `step`: `path` if it is named `step-N`, else under its checkpoints
+    root (`path/checkpoints/` unless `path` is itself named `checkpoints`)."""
+    path = Path(path)
+    named = step_of(path)
+    if named is not None:
+        if named != step:
+            raise HSTUError(f"destination {path} names step {named}, the checkpoint is step {step}")
+        return path
+    root = path if path.name == "checkpoints" else path / "checkpoints"
+    return root / f"step-{step}"
+
+
+def find_run_config(path: str | Path) -> Path | None:
+    """`config.yaml` of the run a checkpoint belongs to (the nearest one above it)."""
+    path = Path(path).absolute()
+    for parent in [path, *path.parents][:4]:
+        if (parent / "config.yaml").is_file():
+            return parent / "config.yaml"
+    return None
+
+
+# ------------------------------------------------------------------------------ conversion
+def backend_checkpoint(name: str):
+    """`hstu.<name>_backend.checkpoint`, imported on demand (the core never imports it)."""
+    if name not in BACKENDS:
+        raise HSTUError(f"unknown backend {name!r}; choose from {list(BACKENDS)}")
+    from hstu import backends
+
+    ok, why = backends.available(name)
+    if not ok:
+        raise HSTUError(why)
+    return importlib.import_module(f"hstu.{name}_backend.checkpoint")
+
+
+def convert(src_backend: str, dst_backend: str, src: str | Path, dst: str | Path, cfg):
+    """Read `src` with one backend, write it to `dst` with the other; `(state, written path)`.
+
+    A parameters-only source cannot become a training checkpoint: resuming needs the AdamW
+    moments and the data position, which such a file does not hold.
+    """
+    for backend, path in ((src_backend, src), (dst_backend, dst)):
+        if is_params_file(path) and Path(path).suffix != PARAMS_SUFFIX[backend]:
+            raise HSTUError(
+                f"a {backend} parameters file ends with {PARAMS_SUFFIX[backend]}, got {path}"
+            )
+    reader, writer = backend_checkpoint(src_backend), backend_checkpoint(dst_backend)
+    state = reader.read_portable(Path(src), cfg).validate(cfg.model)
+    if not is_params_file(dst) and not state.is_training_state:
+        raise HSTUError(
+            f"{src} holds parameters only (no optimizer or data state); write it to a "
+            f"parameters file ({' or '.join(PARAMS_SUFFIX.values())}) instead"
+        )
+    written = writer.write_portable(state, Path(dst), cfg)
+    run_dir = Path(dst)
+    if written.parent.parent == run_dir and not (run_dir / "config.yaml").exists():
+        cfg.save(run_dir / "config.yaml")  # DST is a run directory: later commands find it
+    return state, written
+
+
+def describe(state: PortableState) -> str:
+    parts = [f"step {state.step}", f"{len(state.params)} parameters"]
+    if state.adam is not None:
+        parts.append(f"AdamW moments (count {state.adam.count})")
+    if state.data is not None:
+        parts.append(f"data next_batch={state.data['next_batch']}")
+    return ", ".join(parts)
