@@ -10,6 +10,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The per-step fields every backend writes to metrics.jsonl (the CLI contract).
+STEP_FIELDS = (
+    "step",
+    "loss",
+    "global_tokens",
+    "rank_workloads_before",
+    "rank_workloads_after",
+    "imbalance_before",
+    "imbalance_after",
+    "step_time_s",
+    "tokens_per_s",
+)
+
 # Dense bf16 peak of the accelerators we report MFU against (TFLOP/s, no sparsity).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 

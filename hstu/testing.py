@@ -11,6 +11,17 @@ from hstu.data import SampleSpec, make_sample
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
+# Global batches every exchange test covers: (task, real samples per rank) at 6 per rank: full,
+# incomplete, a rank with none, all padding, a single sample, uneven.
+EXCHANGE_CASES = (
+    ("ranking", (6, 6, 6, 6)),
+    ("ranking", (6, 6, 6, 3)),
+    ("retrieval", (6, 4, 0, 2)),
+    ("ranking", (0, 0, 0, 0)),
+    ("retrieval", (1, 0, 0, 0)),
+    ("retrieval", (5, 6, 2, 6)),
+)
+
 
 def make_global_batch(
     cfg, batch_size: int, real_per_rank: Sequence[int], first_id: int = 0

@@ -10,13 +10,9 @@ pytest.importorskip("jax")
 
 from jax_workers import run_worker  # noqa: E402
 
-CASES = [
-    ("ranking", (6, 6, 6, 6)),
-    ("ranking", (6, 6, 6, 3)),
-    ("retrieval", (6, 4, 0, 2)),
-    ("ranking", (0, 0, 0, 0)),
-    ("retrieval", (1, 0, 0, 0)),
-]
+from hstu.testing import EXCHANGE_CASES  # noqa: E402
+
+CASES = list(EXCHANGE_CASES)
 
 
 @pytest.mark.multirank

@@ -20,17 +20,9 @@ pytest.importorskip("jax")
 
 from jax_workers import REPO, run_worker  # noqa: E402
 
-CONTRACT = (
-    "step",
-    "loss",
-    "global_tokens",
-    "rank_workloads_before",
-    "rank_workloads_after",
-    "imbalance_before",
-    "imbalance_after",
-    "step_time_s",
-    "tokens_per_s",
-)
+from hstu.metrics import STEP_FIELDS  # noqa: E402
+
+CONTRACT = STEP_FIELDS
 
 
 @pytest.mark.multirank

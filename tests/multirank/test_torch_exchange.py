@@ -11,18 +11,11 @@ pytest.importorskip("torchrec")
 from torch_workers import run_on_ranks  # noqa: E402
 
 from hstu.batch import JaggedBatch  # noqa: E402
+from hstu.testing import EXCHANGE_CASES  # noqa: E402
 
 WORLD = 4
 BATCH = 6
-# (task, real samples per rank): full, incomplete, a rank with none, all padding, one sample
-CASES = [
-    ("ranking", (6, 6, 6, 6)),
-    ("ranking", (6, 6, 6, 3)),
-    ("retrieval", (6, 4, 0, 2)),
-    ("ranking", (0, 0, 0, 0)),
-    ("retrieval", (1, 0, 0, 0)),
-    ("retrieval", (5, 6, 2, 6)),
-]
+CASES = list(EXCHANGE_CASES)
 COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",

@@ -14,21 +14,12 @@ from torch_workers import run_on_ranks  # noqa: E402
 
 from hstu.config import load_config  # noqa: E402
 from hstu.errors import HSTUError  # noqa: E402
+from hstu.metrics import STEP_FIELDS  # noqa: E402
 from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 
 WORLD = 4
 MODES = (("identity", "allgather"), ("balanced", "allgather"), ("balanced", "all2all"))
-CLI_FIELDS = (
-    "step",
-    "loss",
-    "global_tokens",
-    "rank_workloads_before",
-    "rank_workloads_after",
-    "imbalance_before",
-    "imbalance_after",
-    "step_time_s",
-    "tokens_per_s",
-)
+CLI_FIELDS = STEP_FIELDS
 
 
 def _cfg(task: str, *extra: str):
