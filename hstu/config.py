@@ -102,6 +102,7 @@ class DataConfig:
     min_candidates: int = 1
     max_candidates: int = 4
     time_step: int = 60  # mean seconds between events (synthetic timestamps)
+    prefetch: int = 2  # batches read + validated ahead on a host thread (0: inline)
 
     def validate(self) -> None:
         p = "data."
@@ -121,6 +122,7 @@ class DataConfig:
             f"must be in [0, max_candidates={self.max_candidates}]",
         )
         _check(self.num_contextual >= 0, p + "num_contextual", self.num_contextual, "must be >= 0")
+        _check(self.prefetch >= 0, p + "prefetch", self.prefetch, "must be >= 0")
         from hstu.data.distributions import DISTRIBUTIONS
 
         _one_of(p + "seqlen_dist", self.seqlen_dist, tuple(DISTRIBUTIONS))

@@ -1,6 +1,8 @@
 """The training schedule both backends run, over a small Backend protocol.
 
-Step i overlaps the balancer work of batch i+1 with the compute of batch i:
+Step i overlaps the balancer work of batch i+1 with the compute of batch i (and the host
+side of later batches — reading, validation, per-sample stats — runs ahead on a prefetch
+thread, `HostPrefetcher`):
 
 1. host->device copy of batch i+1 (torch: side stream; jax: async dispatch);
 2. phase 1 of i+1: per-sample stats (FLOPs, tokens, loss targets) computed on the host from
@@ -19,6 +21,8 @@ same gathered stats, so it issues the same exchange. Only this file decides that
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,6 +162,62 @@ def imbalance_of(per_rank: np.ndarray) -> float:
     return imbalance(per_rank, [np.array([i]) for i in range(len(per_rank))])
 
 
+class HostPrefetcher:
+    """Reads, validates and measures the next batches on a background thread.
+
+    Data generation, `validate()` and the per-sample stats are host work; done here, ahead of
+    the step that needs them, they stay off the critical path. At most `depth` batches wait in
+    the queue and at most `limit` are read in all, so a finite iterator is never over-read. An
+    exception (a bad batch) is re-raised in the consumer, still before any collective of that
+    batch.
+    """
+
+    _DONE = object()
+
+    def __init__(
+        self,
+        batches: Iterator[Sequence[JaggedBatch]],
+        prepare: Callable,
+        limit: int,
+        depth: int = 2,
+    ):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._fill, args=(batches, prepare, limit), name="host-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _fill(self, batches, prepare, limit) -> None:
+        try:
+            for _ in range(limit):
+                item = prepare(next(batches))
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer as is
+            self._queue.put(exc)
+            return
+        self._queue.put(self._DONE)
+
+    def __next__(self):
+        item = self._queue.get()
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def run(
     backend: Backend,
     batches: Iterator[Sequence[JaggedBatch]],
@@ -170,25 +230,38 @@ def run(
     on_step: Callable[[int, dict], None] | None = None,
     validate: bool = True,
     start_step: int = 0,
+    prefetch: int = 2,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
-    `batches` yields this process's per-rank batches per step."""
+    `batches` yields this process's per-rank batches per step. With `prefetch` > 0 the host
+    side of the next batches (read, validate, stats) runs that many batches ahead on a thread.
+    """
     balancer = Balancer(backend, shuffler, method, overlap)
 
-    def start(host: Sequence[JaggedBatch]):
+    def prepare(host: Sequence[JaggedBatch]):
         if validate:  # before any collective: a bad batch fails here, on its own rank
             for r, b in zip(backend.local_ranks, host, strict=True):
                 b.validate(rank=r)
+        return host, sample_stats(host, cost, task)
+
+    source = (
+        HostPrefetcher(batches, prepare, num_steps, prefetch)
+        if prefetch
+        else (prepare(b) for b in batches)
+    )
+
+    def start(prepared):
+        host, local_stats = prepared
         dev = backend.to_device(host)
-        return balancer.phase1(dev, sample_stats(host, cost, task))
+        return balancer.phase1(dev, local_stats)
 
     history = []
     try:
-        current = balancer.phase2(*start(next(batches)))
+        current = balancer.phase2(*start(next(source)))
         for i in range(num_steps):
             step = start_step + i
             t0 = time.perf_counter()
-            pending = start(next(batches)) if i + 1 < num_steps else None
+            pending = start(next(source)) if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
             handle = backend.forward_backward(current.device_batch, loss_tokens_)
             following = balancer.phase2(*pending) if pending is not None else None
@@ -209,5 +282,7 @@ def run(
                 on_step(step, metrics)
             current = following
     finally:
+        if isinstance(source, HostPrefetcher):
+            source.close()
         balancer.close()
     return history

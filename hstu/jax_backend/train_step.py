@@ -303,6 +303,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None) -> list[dict]:
             cfg.balance.overlap,
             on_step=hook,
             start_step=start,
+            prefetch=cfg.data.prefetch,
         )
     finally:
         if ckpt:

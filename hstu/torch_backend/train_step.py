@@ -231,6 +231,7 @@ def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) 
             overlap=b.overlap,
             on_step=on_step,
             start_step=start_step,
+            prefetch=cfg.data.prefetch,
         )
     finally:
         if logger is not None:

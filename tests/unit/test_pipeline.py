@@ -131,3 +131,41 @@ def test_stats_carry_per_key_lengths(demo_cfg):
     assert m["imbalance_before"] == pytest.approx(
         imbalance(stats[:, 0], [np.arange(8), np.arange(8, 16)])
     )
+
+
+def test_prefetcher_reads_ahead_on_its_thread_and_never_past_the_limit():
+    readers = []
+
+    def source():
+        for i in range(100):
+            readers.append(threading.current_thread().name)
+            yield i
+
+    fetch = pipeline.HostPrefetcher(source(), lambda x: x * 10, limit=5, depth=2)
+    assert [next(fetch) for _ in range(5)] == [0, 10, 20, 30, 40]
+    with pytest.raises(StopIteration):
+        next(fetch)
+    fetch.close()
+    assert len(readers) == 5 and set(readers) == {"host-prefetch"}
+
+
+def test_prefetcher_hands_errors_to_the_consumer():
+    def source():
+        yield 1
+        raise ValueError("bad batch on rank 2")
+
+    fetch = pipeline.HostPrefetcher(source(), lambda x: x, limit=3)
+    assert next(fetch) == 1
+    with pytest.raises(ValueError, match="rank 2"):
+        next(fetch)
+    fetch.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_prefetch_depth_does_not_change_the_run(demo_cfg, prefetch):
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = pipeline.run(
+        NumpyBackend(2), batches_of(demo_cfg, 2), 4, cost, "ranking", prefetch=prefetch
+    )
+    base = pipeline.run(NumpyBackend(2), batches_of(demo_cfg, 2), 4, cost, "ranking")
+    assert [r["rank_workloads_after"] for r in rows] == [r["rank_workloads_after"] for r in base]
