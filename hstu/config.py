@@ -42,7 +42,9 @@ class ModelConfig:
     num_contextual_ids: int = 100
     rab_position_buckets: int = 0  # 0 disables the relative position bias
     rab_time_buckets: int = 0  # 0 disables the relative time bias
-    attention: str = "reference"  # reference | kernel (triton on torch, pallas on jax)
+    # reference (padded dense) | kernel = the backend's fused kernel: triton (torch) or
+    # pallas (jax); naming the other backend's kernel is an error when the model is built.
+    attention: str = "reference"
     task: str = "ranking"  # ranking | retrieval
     num_tasks: int = 2  # ranking: tasks encoded as label bits
     num_negatives: int = 16  # retrieval: sampled negatives per target
@@ -78,9 +80,21 @@ class ModelConfig:
             "must be >= 0",
         )
         _check(self.num_negatives > 0, p + "num_negatives", self.num_negatives, "must be > 0")
-        _one_of(p + "attention", self.attention, ("reference", "kernel"))
+        _one_of(p + "attention", self.attention, ("reference", "kernel", "triton", "pallas"))
         _one_of(p + "task", self.task, ("ranking", "retrieval"))
         _one_of(p + "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+    def attention_impl(self, backend: str) -> str:
+        """`reference` or `kernel` for this backend; `triton`/`pallas` name a backend's kernel."""
+        kernel_of = {"torch": "triton", "jax": "pallas"}
+        if self.attention in ("reference", "kernel"):
+            return self.attention
+        if self.attention == kernel_of[backend]:
+            return "kernel"
+        raise HSTUError(
+            f"model.attention={self.attention} is the other backend's kernel; with the "
+            f"{backend} backend use 'kernel' (= {kernel_of[backend]}) or 'reference'"
+        )
 
     @property
     def resolved_alpha(self) -> float:

@@ -242,7 +242,9 @@ class HSTUModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, max_seqlen: int, interpret: bool | None = None) -> HSTUModel:
-    attn = AttentionConfig(cfg.attention, max_seqlen, cfg.resolved_alpha, cfg.normalizer, interpret)
+    attn = AttentionConfig(
+        cfg.attention_impl("jax"), max_seqlen, cfg.resolved_alpha, cfg.normalizer, interpret
+    )
     return HSTUModel(cfg, attn)
 
 

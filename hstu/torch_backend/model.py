@@ -112,7 +112,7 @@ class HSTUModel(nn.Module):
                 ),
             ]
         )
-        attention = get_attention(cfg.attention, device)
+        attention = get_attention(cfg.attention_impl("torch"), device)
         self.layers = nn.ModuleList(HSTULayer(cfg, attention) for _ in range(cfg.num_layers))
         self.final_norm = LayerNorm(d)
         if cfg.task == "ranking":

@@ -65,3 +65,13 @@ def test_missing_file():
 
 def test_defaults_validate():
     assert Config().validate().model.resolved_alpha == pytest.approx(32**-0.5)
+
+
+def test_attention_names_map_to_each_backends_kernel():
+    cfg = load_config(DEMO_CONFIG, ["model.attention=triton"])
+    assert cfg.model.attention_impl("torch") == "kernel"
+    with pytest.raises(HSTUError, match="other backend's kernel"):
+        cfg.model.attention_impl("jax")
+    cfg = load_config(DEMO_CONFIG, ["model.attention=pallas"])
+    assert cfg.model.attention_impl("jax") == "kernel"
+    assert load_config(DEMO_CONFIG).model.attention_impl("jax") == "reference"
