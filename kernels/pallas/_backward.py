@@ -1,0 +1,262 @@
+"""Backward Pallas kernels of HSTU attention (``dq``; ``dk``/``dv`` with the bias-gradient
+partials) and the deterministic reductions of those partials into ``rab_pos`` / ``rab_time``
+gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import (
+    _apply_mask,
+    _aux_inputs,
+    _call,
+    _Cfg,
+    _debug_barrier,
+    _dot,
+    _key_ranges,
+    _load,
+    _load_rows,
+    _load_ts,
+    _query_ranges,
+    _Refs,
+    _sample_meta,
+    _scores,
+    _silu_and_grad,
+    _store,
+    _token_mask,
+)
+
+
+def _dq_kernel(*refs, cfg: _Cfg):
+    r = _Refs(refs, cfg, ("q", "k", "v", "do"), ("dq",))
+    bq, bk = cfg.bq, cfg.bk
+    qb = cfg.nqb - 1 - pl.program_id(0)
+    b = pl.program_id(1)
+    h = pl.program_id(2)
+    start, n, c, hist = _sample_meta(r, b, cfg)
+    qs = qb * bq
+    i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
+    q_ok = i_pos < n
+    q = _load_rows(r.q, start + qs, bq, h, q_ok)
+    do = _load_rows(r.do, start + qs, bq, h, q_ok)
+    tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+    inv_n = jnp.float32(1.0 / cfg.normalizer)
+
+    def make_body(masked: bool):
+        def body(kb, dq):
+            ks = kb * bk
+            j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
+            k_ok = j_pos < n
+            k = _load_rows(r.k, start + ks, bk, h, k_ok)
+            v = _load_rows(r.v, start + ks, bk, h, k_ok)
+            tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+            s, mask, _ = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
+            _, dsilu = _silu_and_grad(s, cfg)
+            dp = _dot(do, v, 1, 1)
+            ds = _apply_mask(mask, dp * dsilu * inv_n)
+            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+        return body
+
+    n_int, hi1, lo2, hi2 = _key_ranges(qs, n, c, hist, cfg)
+    dq = jnp.zeros((bq, r.q.shape[-1]), jnp.float32)
+    dq = lax.fori_loop(0, n_int, make_body(False), dq)
+    dq = lax.fori_loop(n_int, hi1, make_body(True), dq)
+    dq = lax.fori_loop(lo2, hi2, make_body(True), dq)
+    dq = dq * jnp.float32(cfg.alpha)
+    _store(r.dq.at[pl.ds(start + qs, bq), h, :], dq.astype(r.dq.dtype), mask=q_ok[:, None])
+
+
+def _dkdv_kernel(*refs, cfg: _Cfg):
+    names_out = (
+        "dk",
+        "dv",
+        "dtime" if cfg.time_size else None,
+        "dpos" if cfg.pos_size else None,
+        "scratch" if cfg.pos_size else None,
+    )
+    r = _Refs(refs, cfg, ("q", "k", "v", "do"), names_out)
+    bq, bk = cfg.bq, cfg.bk
+    kb = pl.program_id(0)  # early key blocks are seen by the most queries: launch first
+    b = pl.program_id(1)
+    h = pl.program_id(2)
+    start, n, c, hist = _sample_meta(r, b, cfg)
+    ks = kb * bk
+    j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
+    k_ok = j_pos < n
+    k = _load_rows(r.k, start + ks, bk, h, k_ok)
+    v = _load_rows(r.v, start + ks, bk, h, k_ok)
+    tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+    inv_n = jnp.float32(1.0 / cfg.normalizer)
+    t_iota = jnp.arange(cfg.time_pad, dtype=jnp.int32)
+    if cfg.pos_size:
+        prog = (b * r.q.shape[1] + h) * cfg.nkb + kb
+        # Skewed view of a [bq, bk] tile: y[a, u] = tile[a, a - u + bk - 1], so that
+        # sum_a y[a, u] is the tile's diagonal u (local i - j = u - (bk - 1)).
+        a_idx = jnp.broadcast_to(jnp.arange(bq, dtype=jnp.int32)[:, None], (bq, cfg.upad))
+        c_idx = a_idx - jnp.arange(cfg.upad, dtype=jnp.int32)[None, :] + (bk - 1)
+        skew_ok = (c_idx >= 0) & (c_idx < bk)
+        c_idx = jnp.clip(c_idx, 0, bk - 1)
+
+    def body(qb, carry, masked: bool):
+        dk, dv, dtime = carry
+        qs = qb * bq
+        i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
+        q_ok = i_pos < n
+        q = _load_rows(r.q, start + qs, bq, h, q_ok)
+        do = _load_rows(r.do, start + qs, bq, h, q_ok)
+        tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+        s, mask, tb = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
+        silu, dsilu = _silu_and_grad(s, cfg)
+        p = _apply_mask(mask, silu * inv_n)
+        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+        dp = _dot(do, v, 1, 1)
+        ds = _apply_mask(mask, dp * dsilu * inv_n)
+        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+        if cfg.time_size:
+            # Bucket sums of dS over the buckets present in this tile (deterministic).
+            t_lo = jnp.min(tb if mask is None else jnp.where(mask, tb, cfg.time_pad))
+            t_hi = jnp.max(tb if mask is None else jnp.where(mask, tb, -1))
+
+            def bucket_body(t, acc):
+                st = jnp.sum(jnp.where(tb == t, ds, 0.0))
+                return acc + jnp.where(t_iota == t, st, 0.0)
+
+            dtime = lax.fori_loop(t_lo, t_hi + 1, bucket_body, dtime)
+        if cfg.pos_size:
+            # Diagonal sums of dS via a program-private scratch tile read back skewed.
+            _store(r.scratch.at[prog, :, :], ds)
+            if not cfg.interpret:
+                _debug_barrier()
+            y = _load(
+                r.scratch.at[prog, a_idx, c_idx],
+                mask=skew_ok,
+                other=0.0,
+                volatile=not cfg.interpret,
+            )
+            if not cfg.interpret:
+                _debug_barrier()
+            _store(r.dpos.at[b, h, kb, qb, :], jnp.sum(y, axis=0))
+        return dk, dv, dtime
+
+    end_a, lo_b, q_int, hi_b = _query_ranges(ks, n, c, hist, cfg)
+    carry = (
+        jnp.zeros((bk, r.q.shape[-1]), jnp.float32),
+        jnp.zeros((bk, r.v.shape[-1]), jnp.float32),
+        jnp.zeros((cfg.time_pad,), jnp.float32),
+    )
+    masked_body = functools.partial(body, masked=True)
+    carry = lax.fori_loop(0, end_a, masked_body, carry)
+    carry = lax.fori_loop(lo_b, q_int, masked_body, carry)
+    carry = lax.fori_loop(q_int, hi_b, functools.partial(body, masked=False), carry)
+    dk, dv, dtime = carry
+    dk = dk * jnp.float32(cfg.alpha)
+    _store(r.dk.at[pl.ds(start + ks, bk), h, :], dk.astype(r.dk.dtype), mask=k_ok[:, None])
+    _store(r.dv.at[pl.ds(start + ks, bk), h, :], dv.astype(r.dv.dtype), mask=k_ok[:, None])
+    if cfg.time_size:
+        _store(r.dtime.at[b, h, kb, :], dtime)
+    if cfg.pos_size:
+        # Tiles this program skipped get zero diagonal sums.
+        zeros = jnp.zeros((cfg.upad,), jnp.float32)
+
+        def zero_body(qb, carry):
+            _store(r.dpos.at[b, h, kb, qb, :], zeros)
+            return carry
+
+        lax.fori_loop(end_a, lo_b, zero_body, 0)
+        lax.fori_loop(hi_b, jnp.int32(cfg.nqb), zero_body, 0)
+
+
+@functools.lru_cache(maxsize=32)
+def _pos_plan(bq: int, bk: int, nqb: int, nkb: int, upad: int, p_size: int):
+    """Static map from per-tile diagonal sums [nkb, nqb, upad] to rab_pos buckets.
+
+    Tile (qb, kb) diagonal u holds pairs with local i - j = qb*bq - kb*bk + u - (bk - 1).
+    Returns a padded gather matrix [P - 1, cap] for the buckets below P - 1 (pad index
+    points at an appended zero) and a boolean selector for the clamped bucket P - 1.
+    """
+    kb, qb, u = np.meshgrid(np.arange(nkb), np.arange(nqb), np.arange(upad), indexing="ij")
+    rel = qb * bq - kb * bk + u - (bk - 1)
+    bucket = np.minimum(np.abs(rel), p_size - 1).ravel()
+    bucket[(u >= bq + bk - 1).ravel()] = -1
+    total = bucket.size
+    clamp_sel = bucket == p_size - 1
+    if p_size == 1:
+        return np.zeros((0, 1), np.int32), clamp_sel
+    small = np.nonzero((bucket >= 0) & (bucket < p_size - 1))[0]
+    small = small[np.argsort(bucket[small], kind="stable")]
+    sb = bucket[small]
+    counts = np.bincount(sb, minlength=p_size - 1)
+    cap = max(1, int(counts.max(initial=0)))
+    gather = np.full((p_size - 1, cap), total, np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.arange(small.size) - starts[sb]
+    gather[sb, rank] = small
+    return gather, clamp_sel
+
+
+def _reduce_pos_partials(cfg: _Cfg, partial):
+    """[B, H, nkb, nqb, upad] per-tile diagonal sums -> [H, P] rab_pos gradient."""
+    heads = partial.shape[1]
+    x = jnp.sum(partial, axis=0).reshape(heads, -1)  # [H, L]
+    gather, clamp_sel = _pos_plan(cfg.bq, cfg.bk, cfg.nqb, cfg.nkb, cfg.upad, cfg.pos_size)
+    tail = jnp.sum(jnp.where(jnp.asarray(clamp_sel)[None, :], x, 0.0), axis=1, keepdims=True)
+    if cfg.pos_size == 1:
+        return tail
+    x_ext = jnp.concatenate([x, jnp.zeros((heads, 1), x.dtype)], axis=1)
+    head = jnp.sum(jnp.take(x_ext, jnp.asarray(gather), axis=1), axis=-1)  # [H, P - 1]
+    return jnp.concatenate([head, tail], axis=1)
+
+
+def _backward(cfg: _Cfg, res, g):
+    q, k, v, rab_pos, rab_time, offs, ctx, cand, ts = res
+    t_cap, heads, _ = q.shape
+    bsz = offs.shape[0] - 1
+    do = g.astype(q.dtype)
+    aux = _aux_inputs(cfg, offs, ctx, cand, ts, rab_pos, rab_time)
+    tok = _token_mask(offs, t_cap)
+
+    dq = _call(
+        _dq_kernel,
+        cfg,
+        (cfg.nqb, bsz, heads),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        [*aux, q, k, v, do],
+        "hstu_attention_bwd_dq",
+    )
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.time_size:
+        out_shape.append(jax.ShapeDtypeStruct((bsz, heads, cfg.nkb, cfg.time_pad), jnp.float32))
+    if cfg.pos_size:
+        out_shape.append(
+            jax.ShapeDtypeStruct((bsz, heads, cfg.nkb, cfg.nqb, cfg.upad), jnp.float32)
+        )
+        out_shape.append(jax.ShapeDtypeStruct((bsz * heads * cfg.nkb, cfg.bq, cfg.bk), jnp.float32))
+    outs = _call(
+        _dkdv_kernel,
+        cfg,
+        (cfg.nkb, bsz, heads),
+        out_shape,
+        [*aux, q, k, v, do],
+        "hstu_attention_bwd_dkdv",
+    )
+    dk, dv = outs[0], outs[1]
+    zero = jnp.zeros((), q.dtype)
+    dq = jnp.where(tok, dq, zero)
+    dk = jnp.where(tok, dk, zero)
+    dv = jnp.where(tok, dv, zero)
+    d_time = None
+    d_pos = None
+    idx = 2
+    if cfg.time_size:
+        d_time = jnp.sum(outs[idx], axis=(0, 2))[:, : cfg.time_size].astype(rab_time.dtype)
+        idx += 1
+    if cfg.pos_size:
+        d_pos = _reduce_pos_partials(cfg, outs[idx]).astype(rab_pos.dtype)
+    return dq, dk, dv, d_pos, d_time, None, None, None, None

@@ -1,0 +1,304 @@
+"""Shared pieces of the Pallas HSTU attention kernels (see ``hstu_attention.py``).
+
+Version compatibility shim, ``BlockSizes`` and the static per-call ``_Cfg``, the in-kernel
+helpers (block ranges, masked loads, scores / mask / bias, SiLU) and the ``pallas_call``
+plumbing shared by the forward (``_forward.py``) and backward (``_backward.py``) passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # the Triton-specific Pallas API (load/store with masks, compiler params)
+    from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover - very old / stripped jax builds
+    _plgpu = None
+
+# --------------------------------------------------------------------------------------
+# Version compatibility shim (jax 0.10.x and 0.11.x).
+#
+# * The Triton compiler params are ``plgpu.CompilerParams`` in jax >= 0.6 (both 0.10.2 and
+#   0.11.2); older releases called them ``plgpu.TritonCompilerParams``.
+# * Since jax 0.11, ``pallas_call`` on GPU picks its lowering from the *type* of
+#   ``compiler_params``, so we always pass the Triton params explicitly.
+# * Masked ``load`` / ``store`` live in ``plgpu`` (``pl.load``/``pl.store`` were removed
+#   from the top-level namespace); fall back to the top level for older releases.
+# --------------------------------------------------------------------------------------
+
+
+def _resolve(*candidates):
+    for mod, name in candidates:
+        if mod is not None and hasattr(mod, name):
+            return getattr(mod, name)
+    return None
+
+
+_CompilerParams = _resolve((_plgpu, "CompilerParams"), (_plgpu, "TritonCompilerParams"))
+_load = _resolve((_plgpu, "load"), (pl, "load"))
+_store = _resolve((_plgpu, "store"), (pl, "store"))
+_debug_barrier = _resolve((_plgpu, "debug_barrier"))
+_approx_tanh = _resolve((_plgpu, "approx_tanh"))
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    if _CompilerParams is None:  # pragma: no cover
+        raise RuntimeError("this jax has no Pallas Triton compiler params")
+    return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the kernels (the same tiles serve forward and backward).
+
+    ``block_q`` / ``block_k``: query / key rows per tile, powers of two >= 16 (Triton
+    ``dot`` needs every dimension >= 16). Both are capped at ``next_pow2(max_seqlen)``.
+    ``num_warps`` / ``num_stages``: Triton launch parameters (ignored in interpret mode).
+    """
+
+    block_q: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or not _is_pow2(val) or val < 16:
+                raise ValueError(f"BlockSizes.{name}: expected a power of two >= 16, got {val!r}")
+        if not isinstance(self.num_warps, int) or not _is_pow2(self.num_warps):
+            raise ValueError(
+                f"BlockSizes.num_warps: expected a power of two, got {self.num_warps!r}"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(
+                f"BlockSizes.num_stages: expected an int >= 1, got {self.num_stages!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """Static configuration of one call (hashable: it is a custom_vjp nondiff arg)."""
+
+    max_seqlen: int
+    alpha: float
+    normalizer: float
+    bq: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+    has_ctx: bool
+    has_cand: bool
+    pos_size: int  # P, 0 when rab_pos is None
+    time_size: int  # Tb, 0 when rab_time is None
+    fast_math: bool  # sigmoid via tanh.approx (compiled 16-bit inputs only)
+
+    @property
+    def nqb(self) -> int:
+        return -(-self.max_seqlen // self.bq)
+
+    @property
+    def nkb(self) -> int:
+        return -(-self.max_seqlen // self.bk)
+
+    @property
+    def time_pad(self) -> int:
+        return max(16, _next_pow2(self.time_size))
+
+    @property
+    def upad(self) -> int:  # diagonals of a [bq, bk] tile, padded to a power of two
+        return _next_pow2(self.bq + self.bk - 1)
+
+
+# --------------------------------------------------------------------------------------
+# In-kernel helpers.
+# --------------------------------------------------------------------------------------
+
+
+class _Refs:
+    """Named view over the flat ref list of a pallas_call (optional refs may be None)."""
+
+    def __init__(self, refs, cfg: _Cfg, names_in, names_out):
+        refs = list(refs)
+        self.off = refs.pop(0)
+        self.ctx = refs.pop(0) if cfg.has_ctx else None
+        self.cand = refs.pop(0) if cfg.has_cand else None
+        self.ts = refs.pop(0) if cfg.time_size else None
+        self.rab_pos = refs.pop(0) if cfg.pos_size else None
+        self.rab_time = refs.pop(0) if cfg.time_size else None
+        self.dtime = self.dpos = self.scratch = None
+        for name in names_in:
+            setattr(self, name, refs.pop(0))
+        for name in names_out:
+            if name is not None:
+                setattr(self, name, refs.pop(0))
+        assert not refs, refs
+
+
+def _cdiv(x, d: int):
+    """Ceil division of a non-negative traced int32 scalar by a static int."""
+    return lax.div(x + (d - 1), jnp.int32(d))
+
+
+def _sample_meta(r: _Refs, b, cfg: _Cfg):
+    """(start, n, C, end-of-history) of sample b, all int32 scalars."""
+    start = r.off[b]
+    n = r.off[b + 1] - start
+    c = r.ctx[b] if cfg.has_ctx else jnp.int32(0)
+    hist = jnp.clip(n - r.cand[b], 0, n) if cfg.has_cand else n
+    return start, n, c, hist
+
+
+def _key_ranges(qs, n, c, hist, cfg: _Cfg):
+    """Key-block ranges [0, n_int) (unmasked), [n_int, hi1) and [lo2, hi2) (masked).
+
+    Together they are the key blocks needed by query rows [qs, qs + bq).
+
+    History keys (j < hist) are needed up to the block's last row, or all of them when the
+    block holds a contextual query (qs < C); otherwise only the diagonal is needed.
+    """
+    active = qs < n
+    qe = jnp.minimum(qs + cfg.bq, n)
+    a_end = jnp.where(qs < c, hist, jnp.minimum(hist, qe))
+    a_end = jnp.where(active, jnp.maximum(a_end, 0), 0)
+    hi1 = _cdiv(a_end, cfg.bk)
+    lo2 = jnp.maximum(hi1, lax.div(qs, jnp.int32(cfg.bk)))
+    hi2 = jnp.where(active, _cdiv(jnp.maximum(qe, 0), cfg.bk), lo2)
+    hi2 = jnp.maximum(hi2, lo2)
+    # Key blocks [0, n_int) lie entirely before the first query row and inside the
+    # history: every pair there is unmasked (query rows past n only meet zero rows).
+    n_int = jnp.minimum(lax.div(qs, jnp.int32(cfg.bk)), lax.div(hist, jnp.int32(cfg.bk)))
+    n_int = jnp.clip(n_int, 0, hi1)
+    return n_int, hi1, lo2, hi2
+
+
+def _query_ranges(ks, n, c, hist, cfg: _Cfg):
+    """Query-block ranges that can see keys [ks, ks + bk): [0, end_a) and [lo_b, q_int)
+    (masked), [q_int, hi_b) (unmasked).
+
+    A block holding history keys is seen by every contextual query (i < C) and, causally,
+    by every query i >= ks; a block of candidate keys only by its diagonal.
+    """
+    active = ks < n
+    has_hist = ks < hist
+    ke = jnp.minimum(ks + cfg.bk, n)
+    end_a = jnp.where(active & has_hist, _cdiv(jnp.clip(c, 0, n), cfg.bq), 0)
+    lo_b = jnp.maximum(end_a, lax.div(ks, jnp.int32(cfg.bq)))
+    hi_b = jnp.where(has_hist, _cdiv(n, cfg.bq), _cdiv(jnp.maximum(ke, 0), cfg.bq))
+    hi_b = jnp.where(active, hi_b, lo_b)
+    hi_b = jnp.maximum(hi_b, lo_b)
+    # Query blocks from q_int on start after the key block's last key, which is history:
+    # unmasked (rows past n are zero-loaded and contribute nothing).
+    full_hist = ks + cfg.bk <= hist
+    q_int = jnp.where(full_hist, jnp.clip(_cdiv(ks + cfg.bk, cfg.bq), lo_b, hi_b), hi_b)
+    return end_a, lo_b, q_int, hi_b
+
+
+def _load_rows(ref, row0, size, h, ok):
+    """Masked load of ``size`` token rows of head ``h`` ([size, D]); masked rows are 0."""
+    return _load(ref.at[pl.ds(row0, size), h, :], mask=ok[:, None], other=0)
+
+
+def _load_ts(ref, row0, size, ok):
+    return _load(ref.at[pl.ds(row0, size)], mask=ok, other=0)
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    """fp32-accumulating 2-D matmul; fp32 operands use full precision (not TF32)."""
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a,
+        b,
+        (((contract_a,), (contract_b,)), ((), ())),
+        precision=prec,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _scores(cfg: _Cfg, r: _Refs, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked: bool):
+    """Pre-SiLU scores s = alpha q k^T + bias (fp32), the mask (None when the tile is
+    known to be fully unmasked), and the time buckets."""
+    s = _dot(q, k, 1, 1)
+    s = s * jnp.float32(cfg.alpha)
+    ii = i_pos[:, None]
+    jj = j_pos[None, :]
+    if cfg.pos_size:
+        rel = jnp.minimum(jnp.abs(ii - jj), cfg.pos_size - 1)
+        s = s + r.rab_pos[h, rel].astype(jnp.float32)
+    tb = None
+    if cfg.time_size:
+        dt = jnp.abs(tq[:, None] - tk[None, :])
+        tb = jnp.clip(31 - lax.clz(dt + 1), 0, cfg.time_size - 1)
+        s = s + r.rab_time[h, tb].astype(jnp.float32)
+    if not masked:
+        return s, None, tb
+    seen = jj <= ii
+    if cfg.has_ctx:
+        seen = seen | (ii < c)
+    mask = (ii == jj) | ((jj < hist) & seen)
+    mask = mask & (ii < n) & (jj < n)
+    return s, mask, tb
+
+
+def _silu_and_grad(s, cfg: _Cfg):
+    """silu(s) and silu'(s). The fast path uses one MUFU tanh instead of exp + divide:
+    sigmoid(s) = (1 + tanh(s / 2)) / 2 (relative error ~1e-3, below bf16/fp16 rounding).
+    """
+    sig = 0.5 * _approx_tanh(0.5 * s) + 0.5 if cfg.fast_math else jax.nn.sigmoid(s)
+    return s * sig, sig * (1.0 + s * (1.0 - sig))
+
+
+def _apply_mask(mask, x):
+    return x if mask is None else jnp.where(mask, x, 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# pallas_call wrappers.
+# --------------------------------------------------------------------------------------
+
+
+def _aux_inputs(cfg: _Cfg, offs, ctx, cand, ts, rab_pos, rab_time):
+    aux = [offs]
+    if cfg.has_ctx:
+        aux.append(ctx)
+    if cfg.has_cand:
+        aux.append(cand)
+    if cfg.time_size:
+        aux.append(ts)
+    if cfg.pos_size:
+        aux.append(rab_pos)
+    if cfg.time_size:
+        aux.append(rab_time)
+    return aux
+
+
+def _call(kernel, cfg: _Cfg, grid, out_shape, args, name):
+    kwargs = {}
+    if not cfg.interpret:
+        kwargs["compiler_params"] = _compiler_params(cfg.num_warps, cfg.num_stages)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg),
+        out_shape=out_shape,
+        grid=grid,
+        interpret=cfg.interpret,
+        name=name,
+        **kwargs,
+    )(*args)
+
+
+def _token_mask(offs, t_cap):
+    return (jnp.arange(t_cap, dtype=jnp.int32) < offs[-1])[:, None, None]

@@ -1,0 +1,77 @@
+"""Forward Pallas kernel of HSTU attention and its ``pallas_call`` wrapper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._common import (
+    _apply_mask,
+    _aux_inputs,
+    _call,
+    _Cfg,
+    _dot,
+    _key_ranges,
+    _load_rows,
+    _load_ts,
+    _Refs,
+    _sample_meta,
+    _scores,
+    _silu_and_grad,
+    _store,
+    _token_mask,
+)
+
+
+def _fwd_kernel(*refs, cfg: _Cfg):
+    r = _Refs(refs, cfg, ("q", "k", "v"), ("o",))
+    bq, bk = cfg.bq, cfg.bk
+    qb = cfg.nqb - 1 - pl.program_id(0)  # heavy (late) query blocks first
+    b = pl.program_id(1)
+    h = pl.program_id(2)
+    start, n, c, hist = _sample_meta(r, b, cfg)
+    qs = qb * bq
+    i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
+    q_ok = i_pos < n
+    q = _load_rows(r.q, start + qs, bq, h, q_ok)
+    tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+    inv_n = jnp.float32(1.0 / cfg.normalizer)
+
+    def make_body(masked: bool):
+        def body(kb, acc):
+            ks = kb * bk
+            j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
+            k_ok = j_pos < n
+            k = _load_rows(r.k, start + ks, bk, h, k_ok)
+            v = _load_rows(r.v, start + ks, bk, h, k_ok)
+            tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+            s, mask, _ = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
+            silu, _ = _silu_and_grad(s, cfg)
+            p = _apply_mask(mask, silu * inv_n)
+            return acc + _dot(p.astype(v.dtype), v, 1, 0)
+
+        return body
+
+    n_int, hi1, lo2, hi2 = _key_ranges(qs, n, c, hist, cfg)
+    acc = jnp.zeros((bq, r.v.shape[-1]), jnp.float32)
+    acc = lax.fori_loop(0, n_int, make_body(False), acc)
+    acc = lax.fori_loop(n_int, hi1, make_body(True), acc)
+    acc = lax.fori_loop(lo2, hi2, make_body(True), acc)
+    _store(r.o.at[pl.ds(start + qs, bq), h, :], acc.astype(r.o.dtype), mask=q_ok[:, None])
+
+
+def _forward(cfg: _Cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
+    t_cap, heads, _ = q.shape
+    bsz = offs.shape[0] - 1
+    aux = _aux_inputs(cfg, offs, ctx, cand, ts, rab_pos, rab_time)
+    out = _call(
+        _fwd_kernel,
+        cfg,
+        (cfg.nqb, bsz, heads),
+        jax.ShapeDtypeStruct((t_cap, heads, v.shape[-1]), q.dtype),
+        [*aux, q, k, v],
+        "hstu_attention_fwd",
+    )
+    return jnp.where(_token_mask(offs, t_cap), out, jnp.zeros((), out.dtype))

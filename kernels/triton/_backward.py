@@ -1,0 +1,268 @@
+"""Backward Triton kernels of HSTU attention: ``dk``/``dv`` and ``dq`` (+ bias gradients).
+
+Design notes in ``hstu_attention.py``.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import (
+    _block_start,
+    _dot,
+    _key_ranges,
+    _logits,
+    _num_blocks,
+    _query_ranges,
+    _reduce_max,
+    _reduce_min,
+    _reduce_sum,
+    _sample_info,
+    _sigmoid,
+    _time_bucket,
+    _visible,
+)
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start, stride_qt,
+    stride_dot, n, hist_end, C, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    # transposed orientation: rows are keys, columns are queries
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = seq_start + offs_m
+    in_m = offs_m < n
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + offs_dqk[None, :],
+        mask=in_m[:, None] & (offs_dqk[None, :] < DQK),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + rows[:, None] * stride_dot + offs_dv[None, :],
+        mask=in_m[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    ts_q = 0
+    if HAS_TIME:
+        ts_q = tl.load(Ts + rows, mask=in_m, other=0)[None, :]
+    qi = offs_m[None, :]
+    kj = offs_n[:, None]
+    s_t = _dot(k, tl.trans(q), PREC)  # [BLOCK_N, BLOCK_M]
+    z = _logits(s_t, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
+    sig = _sigmoid(z, FAST)
+    p_t = z * sig
+    dp_t = _dot(v, tl.trans(do), PREC) * inv_norm
+    dz_t = dp_t * sig * (1.0 + z * (1.0 - sig))
+    if MASKED:
+        mask = _visible(qi, kj, n, hist_end, C, HAS_CTX)
+        p_t = tl.where(mask, p_t, 0.0)
+        dz_t = tl.where(mask, dz_t, 0.0)
+    dv += _dot(p_t.to(do.dtype), do, PREC)
+    dk += _dot(dz_t.to(q.dtype), q, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _hstu_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_rp, stride_rt, num_bh, H, num_n_blocks, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    n_blk, h, seq_start, n, C, hist_end = _sample_info(
+        tl.program_id(0), num_bh, H, num_n_blocks, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+    )
+    n0 = n_blk * BLOCK_N
+    if n0 < n:
+        # DK / DVout share K / V strides (allocated with the same layout)
+        Q += h * stride_qh
+        K += h * stride_kh
+        V += h * stride_vh
+        DO += h * stride_doh
+        DK += h * stride_kh
+        DVout += h * stride_vh
+        RabPos += h * stride_rp
+        RabTime += h * stride_rt
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_dqk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows_n = seq_start + offs_n
+        in_n = offs_n < n
+        kmask = in_n[:, None] & (offs_dqk[None, :] < DQK)
+        vmask = in_n[:, None] & (offs_dv[None, :] < DV)
+        k = tl.load(K + rows_n[:, None] * stride_kt + offs_dqk[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + rows_n[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)
+        ts_k = 0
+        if HAS_TIME:
+            ts_k = tl.load(Ts + rows_n, mask=in_n, other=0)[:, None]
+        dk = tl.full([BLOCK_N, BLOCK_DQK], 0.0, tl.float32)
+        dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
+        cfull, chi, lo, fs, fe, hi = _query_ranges(n0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
+        # fully visible query blocks: contextual [0, cfull) and [fs, fe)
+        n_a = cfull // BLOCK_M
+        n_b = _num_blocks(fs, fe, BLOCK_M)
+        for it in range(0, n_a + n_b):
+            start_m = _block_start(it, 0, n_a, fs, n_b, 0, BLOCK_M)
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start,
+                stride_qt, stride_dot, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
+            )  # fmt: skip
+        # masked: [cfull, chi), [lo, fs) around the diagonal and the tail [fe, hi)
+        n_a = _num_blocks(cfull, chi, BLOCK_M)
+        n_b = _num_blocks(lo, fs, BLOCK_M)
+        n_c = _num_blocks(fe, hi, BLOCK_M)
+        for it in range(0, n_a + n_b + n_c):
+            start_m = _block_start(it, cfull, n_a, lo, n_b, fe, BLOCK_M)
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start,
+                stride_qt, stride_dot, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
+            )  # fmt: skip
+        tl.store(
+            DK + rows_n[:, None] * stride_kt + offs_dqk[None, :],
+            (dk * alpha).to(DK.dtype.element_ty),
+            mask=kmask,
+        )
+        tl.store(
+            DVout + rows_n[:, None] * stride_vt + offs_dv[None, :],
+            (dv * inv_norm).to(DVout.dtype.element_ty),
+            mask=vmask,
+        )
+
+
+@triton.jit
+def _dq_tile(
+    dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos, seq_start,
+    stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr, HAS_CTX: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
+    TIME_GRAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = seq_start + offs_n
+    in_n = offs_n < n
+    k = tl.load(
+        K + rows[:, None] * stride_kt + offs_dqk[None, :],
+        mask=in_n[:, None] & (offs_dqk[None, :] < DQK),
+        other=0.0,
+    )
+    v = tl.load(
+        V + rows[:, None] * stride_vt + offs_dv[None, :],
+        mask=in_n[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    ts_k = 0
+    if HAS_TIME:
+        ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
+    qi = offs_m[:, None]
+    kj = offs_n[None, :]
+    s = _dot(q, tl.trans(k), PREC)
+    z = _logits(s, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
+    sig = _sigmoid(z, FAST)
+    dp = _dot(do, tl.trans(v), PREC) * inv_norm
+    dz = dp * sig * (1.0 + z * (1.0 - sig))
+    mask = None
+    if MASKED:
+        mask = _visible(qi, kj, n, hist_end, C, HAS_CTX)
+        dz = tl.where(mask, dz, 0.0)
+    dq += _dot(dz.to(k.dtype), k, PREC)
+    if POS_GRAD:
+        pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
+        tl.atomic_add(DRabPos + pos_idx, dz, mask=mask, sem="relaxed")
+    if TIME_GRAD:
+        # few distinct buckets per tile: reduce each in registers, no contended atomics
+        tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME).to(tl.int32)
+        if MASKED:
+            lo_b = _reduce_min(tl.where(mask, tb, BLOCK_TB))
+            hi_b = _reduce_max(tl.where(mask, tb, -1))
+        else:
+            lo_b = _reduce_min(tb)
+            hi_b = _reduce_max(tb)
+        offs_tb = tl.arange(0, BLOCK_TB)
+        for t in range(lo_b, hi_b + 1):
+            part = _reduce_sum(tl.where(tb == t, dz, 0.0))
+            dtime += tl.where(offs_tb == t, part, 0.0)
+    return dq, dtime
+
+
+@triton.jit
+def _hstu_bwd_dq_kernel(
+    Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime, DRabPos, DRabTime,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_rp, stride_rt, num_bh, H, num_m_blocks, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
+    HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    m_blk, h, seq_start, n, C, hist_end = _sample_info(
+        tl.program_id(0), num_bh, H, num_m_blocks, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+    )
+    m0 = m_blk * BLOCK_M
+    if m0 < n:
+        # DQ shares Q strides; DRabPos / DRabTime are contiguous fp32 [H, P] / [H, TB]
+        Q += h * stride_qh
+        K += h * stride_kh
+        V += h * stride_vh
+        DO += h * stride_doh
+        DQ += h * stride_qh
+        RabPos += h * stride_rp
+        RabTime += h * stride_rt
+        DRabPos += h * P
+        DRabTime += h * TB
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_dqk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows_m = seq_start + offs_m
+        in_m = offs_m < n
+        qmask = in_m[:, None] & (offs_dqk[None, :] < DQK)
+        q = tl.load(Q + rows_m[:, None] * stride_qt + offs_dqk[None, :], mask=qmask, other=0.0)
+        do = tl.load(
+            DO + rows_m[:, None] * stride_dot + offs_dv[None, :],
+            mask=in_m[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
+        ts_q = 0
+        if HAS_TIME:
+            ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
+        dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
+        dtime = tl.full([BLOCK_TB], 0.0, tl.float32)
+        full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
+        for start_n in range(0, full, BLOCK_N):
+            dq, dtime = _dq_tile(
+                dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
+                seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME, POS_GRAD,
+                TIME_GRAD, PREC, FAST, False,
+            )  # fmt: skip
+        n_a = _num_blocks(full, hi1, BLOCK_N)
+        n_b = _num_blocks(lo2, hi2, BLOCK_N)
+        for it in range(0, n_a + n_b):
+            start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
+            dq, dtime = _dq_tile(
+                dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
+                seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME, POS_GRAD,
+                TIME_GRAD, PREC, FAST, True,
+            )  # fmt: skip
+        tl.store(
+            DQ + rows_m[:, None] * stride_qt + offs_dqk[None, :],
+            (dq * alpha).to(DQ.dtype.element_ty),
+            mask=qmask,
+        )
+        if TIME_GRAD:
+            offs_tb = tl.arange(0, BLOCK_TB)
+            tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")

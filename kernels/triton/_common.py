@@ -1,0 +1,193 @@
+"""Shared ``@triton.jit`` helpers of the HSTU attention kernels (see ``hstu_attention.py``).
+
+Index math, block ranges, bias / mask evaluation and the small reductions used by the forward
+(``_forward.py``) and backward (``_backward.py``) kernels.
+"""
+
+import triton
+import triton.language as tl
+
+# Local positions: ``qi`` (query) and ``kj`` (key) are broadcastable int32 index tensors inside a
+# sample of length ``n``; ``hist_end = n - K``.  MASKED=False marks a tile known to be fully
+# visible (no mask evaluated).  HAS_TIME is 0 (no rab_time), 1 (Tb <= 31: int32 bucket math) or
+# 2 (wider tables: int64 bucket math).
+
+
+# Only core builtins and the jit helpers of this module are used in the kernels (no tl.zeros,
+# tl.sigmoid, tl.cdiv, tl.sum, ...): those live in triton.language.standard and are decorated when
+# triton.language is first imported, so if that happened before TRITON_INTERPRET=1 was set (torch
+# and torchrec import triton), they would not run in the interpreter.
+
+
+@triton.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _reduce_sum(x):
+    return tl.reduce(tl.reduce(x, 1, _add), 0, _add)
+
+
+@triton.jit
+def _reduce_min(x):
+    return tl.reduce(tl.reduce(x, 1, _min), 0, _min)
+
+
+@triton.jit
+def _reduce_max(x):
+    return tl.reduce(tl.reduce(x, 1, _max), 0, _max)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """tl.dot with fp32 accumulation. PREC == "upcast" works around the interpreter's bf16 dot
+    (it multiplies raw bit patterns): operands go to fp32, which is exact for bf16 products."""
+    if PREC == "upcast":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _sigmoid(z, FAST: tl.constexpr):
+    """sigmoid(z); FAST (CUDA, 16-bit inputs) uses one tanh.approx instead of exp + divide."""
+    if FAST:
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [z * 0.5], dtype=tl.float32, is_pure=True, pack=1
+        )
+        out = 0.5 + 0.5 * t
+    else:
+        out = 1.0 / (1.0 + tl.exp(-z))
+    return out
+
+
+@triton.jit
+def _time_bucket(ts_q, ts_k, TB, HAS_TIME: tl.constexpr):
+    """min(floor(log2(1 + |ts_q - ts_k|)), TB - 1) for int64 timestamps, exactly."""
+    d = tl.abs(ts_q - ts_k)
+    if HAS_TIME == 1:  # noqa: SIM108 (constexpr branch)
+        # TB <= 31: every |dt| >= 2^30 - 1 lands in the last bucket, so clamp and go int32
+        x = (tl.minimum(d, 1 << 30) + 1).to(tl.int32)
+    else:
+        x = d + 1
+    # exponent of fp32(x); round-to-nearest may carry x up to the next power of two: undo that
+    b = (((x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(x.dtype)
+    b = tl.where(((b * 0 + 1) << b) > x, b - 1, b)
+    return tl.minimum(b, TB - 1)
+
+
+@triton.jit
+def _visible(qi, kj, n, hist_end, C, HAS_CTX: tl.constexpr):
+    """mask(i, j) = (i == j) or (j < n - K and (j <= i or i < C)), restricted to i, j < n."""
+    seen = kj <= qi
+    if HAS_CTX:
+        seen = seen | (qi < C)
+    return ((qi == kj) | ((kj < hist_end) & seen)) & (qi < n) & (kj < n)
+
+
+@triton.jit
+def _logits(
+    s, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+):  # fmt: skip
+    """z = alpha * s + rab_pos[|i - j|] + rab_time[bucket(|t_i - t_j|)] (tables pre-offset by h)."""
+    z = s * alpha
+    if HAS_POS:
+        z += tl.load(RabPos + tl.minimum(tl.abs(qi - kj), P - 1)).to(tl.float32)
+    if HAS_TIME:
+        z += tl.load(RabTime + _time_bucket(ts_q, ts_k, TB, HAS_TIME)).to(tl.float32)
+    return z
+
+
+@triton.jit
+def _sample_info(
+    pid, num_bh, H, num_blocks, SeqOffsets, NumCtx, NumCand,
+    HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr,
+):  # fmt: skip
+    bh = pid % num_bh
+    blk = num_blocks - 1 - pid // num_bh  # heaviest (last) blocks first
+    b = bh // H
+    h = bh % H
+    seq_start = tl.load(SeqOffsets + b)
+    n = (tl.load(SeqOffsets + b + 1) - seq_start).to(tl.int32)
+    C = 0
+    if HAS_CTX:
+        C = tl.load(NumCtx + b)
+    hist_end = n
+    if HAS_CAND:
+        hist_end = n - tl.load(NumCand + b)
+    return blk, h, seq_start, n, C, hist_end
+
+
+@triton.jit
+def _key_ranges(
+    m0, n, hist_end, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr
+):
+    """Key blocks for queries [m0, m0 + BLOCK_M): fully visible [0, full), masked [full, hi1),
+    and the candidates' diagonal [lo2, hi2); everything else is masked out and skipped."""
+    m1 = m0 + BLOCK_M
+    hi1 = tl.minimum(m1, hist_end)  # causal
+    full = ((m0 + 1) // BLOCK_N) * BLOCK_N  # key blocks wholly <= m0
+    if HAS_CTX:
+        hi1 = tl.where(m0 < C, hist_end, hi1)  # a contextual query sees all history
+        full = tl.where(m1 <= C, hist_end, full)
+    hi1 = tl.maximum(hi1, 0)
+    full = (tl.maximum(tl.minimum(full, hist_end), 0) // BLOCK_N) * BLOCK_N
+    full = tl.where(m1 <= n, full, 0)
+    lo2 = tl.maximum(_cdiv(hi1, BLOCK_N) * BLOCK_N, (m0 // BLOCK_N) * BLOCK_N)
+    hi2 = tl.minimum(m1, n)
+    return full, hi1, lo2, hi2
+
+
+@triton.jit
+def _query_ranges(
+    n0, n, hist_end, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr
+):
+    """Query blocks for keys [n0, n0 + BLOCK_N): contextual [0, cfull) full and [cfull, chi)
+    masked; then [lo, fs) masked, [fs, fe) full, [fe, hi) masked."""
+    n1 = n0 + BLOCK_N
+    has_hist = n0 < hist_end  # some key is contextual / history: seen by [0, C) and [n0, n)
+    keys_full = n1 <= hist_end  # every key is contextual / history (and < n)
+    lo = (n0 // BLOCK_M) * BLOCK_M
+    hi = tl.where(has_hist, n, tl.minimum(n1, n))  # candidate keys: only their diagonal
+    chi = 0
+    cfull = 0
+    if HAS_CTX:
+        chi = tl.where(has_hist, tl.minimum(_cdiv(C, BLOCK_M) * BLOCK_M, lo), 0)
+        cfull = tl.where(keys_full, (tl.minimum(C, n) // BLOCK_M) * BLOCK_M, 0)
+        cfull = tl.minimum(cfull, chi)
+    fs = tl.where(keys_full, _cdiv(n1 - 1, BLOCK_M) * BLOCK_M, hi)  # queries wholly >= n1 - 1
+    fs = tl.minimum(tl.maximum(fs, lo), hi)
+    fe = tl.where(keys_full, (n // BLOCK_M) * BLOCK_M, fs)
+    fe = tl.maximum(fe, fs)
+    return cfull, chi, lo, fs, fe, hi
+
+
+@triton.jit
+def _num_blocks(lo, hi, BLOCK: tl.constexpr):
+    return _cdiv(tl.maximum(hi - lo, 0), BLOCK)
+
+
+@triton.jit
+def _block_start(it, lo_a, n_a, lo_b, n_b, lo_c, BLOCK: tl.constexpr):
+    """Start of block ``it`` of the concatenated block ranges a (n_a blocks), b, c: one loop
+    (one inlined copy of the tile code) walks several disjoint ranges."""
+    start = tl.where(it < n_a + n_b, lo_b + (it - n_a) * BLOCK, lo_c + (it - n_a - n_b) * BLOCK)
+    return tl.where(it < n_a, lo_a + it * BLOCK, start)

@@ -1,0 +1,110 @@
+"""Forward Triton kernel of HSTU attention (design notes in ``hstu_attention.py``)."""
+
+import triton
+import triton.language as tl
+
+from ._common import (
+    _block_start,
+    _dot,
+    _key_ranges,
+    _logits,
+    _num_blocks,
+    _sample_info,
+    _sigmoid,
+    _visible,
+)
+
+
+@triton.jit
+def _fwd_tile(
+    acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt, stride_vt,
+    n, hist_end, C, P, TB, alpha,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = seq_start + offs_n
+    in_n = offs_n < n
+    k = tl.load(
+        K + rows[:, None] * stride_kt + offs_dqk[None, :],
+        mask=in_n[:, None] & (offs_dqk[None, :] < DQK),
+        other=0.0,
+    )
+    v = tl.load(
+        V + rows[:, None] * stride_vt + offs_dv[None, :],
+        mask=in_n[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    ts_k = 0
+    if HAS_TIME:
+        ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
+    qi = offs_m[:, None]
+    kj = offs_n[None, :]
+    s = _dot(q, tl.trans(k), PREC)
+    z = _logits(s, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
+    p = z * _sigmoid(z, FAST)
+    if MASKED:
+        p = tl.where(_visible(qi, kj, n, hist_end, C, HAS_CTX), p, 0.0)
+    return acc + _dot(p.to(v.dtype), v, PREC)
+
+
+@triton.jit
+def _hstu_fwd_kernel(
+    Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_rp, stride_rt, num_bh, H, num_m_blocks, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    m_blk, h, seq_start, n, C, hist_end = _sample_info(
+        tl.program_id(0), num_bh, H, num_m_blocks, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+    )
+    m0 = m_blk * BLOCK_M
+    if m0 < n:
+        Q += h * stride_qh
+        K += h * stride_kh
+        V += h * stride_vh
+        Out += h * stride_oh
+        RabPos += h * stride_rp
+        RabTime += h * stride_rt
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_dqk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows_m = seq_start + offs_m
+        in_m = offs_m < n
+        q = tl.load(
+            Q + rows_m[:, None] * stride_qt + offs_dqk[None, :],
+            mask=in_m[:, None] & (offs_dqk[None, :] < DQK),
+            other=0.0,
+        )
+        ts_q = 0
+        if HAS_TIME:
+            ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
+        acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+        full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
+        for start_n in range(0, full, BLOCK_N):  # fully visible key blocks
+            acc = _fwd_tile(
+                acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
+                stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
+            )  # fmt: skip
+        # masked: the causal / history edge [full, hi1) and the candidates' diagonal [lo2, hi2)
+        n_a = _num_blocks(full, hi1, BLOCK_N)
+        n_b = _num_blocks(lo2, hi2, BLOCK_N)
+        for it in range(0, n_a + n_b):
+            start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
+            acc = _fwd_tile(
+                acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
+                stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
+            )  # fmt: skip
+        tl.store(
+            Out + rows_m[:, None] * stride_ot + offs_dv[None, :],
+            (acc * inv_norm).to(Out.dtype.element_ty),
+            mask=in_m[:, None] & (offs_dv[None, :] < DV),
+        )

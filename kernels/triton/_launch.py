@@ -1,0 +1,180 @@
+"""Host-side launch of the HSTU attention kernels: interpret-mode flag, block sizes, input
+normalisation and the forward / backward implementations behind the torch.library ops."""
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
+from ._forward import _hstu_fwd_kernel
+
+# ----------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------
+
+
+# decided when the kernels were decorated (TRITON_INTERPRET=1 at import); a plain bool so that
+# torch.compile can read it without tracing into the kernel object
+_INTERPRET = type(_hstu_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def is_interpret_mode() -> bool:
+    """True when the kernels of this module were built for the Triton CPU interpreter."""
+    return _INTERPRET
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Tiling tunables. ``block_m``: query rows per tile, ``block_n``: key rows per tile."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 16 or val & (val - 1):
+                raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {val!r}")
+        if not isinstance(self.num_warps, int) or self.num_warps < 1:
+            raise ValueError(f"BlockSizes.num_warps must be a positive int, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(
+                f"BlockSizes.num_stages must be a positive int, got {self.num_stages!r}"
+            )
+
+
+INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
+
+
+@functools.cache
+def default_block_sizes(
+    dim: int, backward: bool, dtype: torch.dtype = torch.bfloat16
+) -> BlockSizes:
+    """Defaults: tiny tiles in interpret mode, H100-tuned tiles on CUDA.
+
+    fp32 uses exact (non-tf32) dots, lowered to FMAs: small tiles keep compile times sane.
+    """
+    if is_interpret_mode():
+        return INTERPRET_BLOCK_SIZES
+    if dtype == torch.float32:
+        return BlockSizes(32, 32, 4, 1) if backward else BlockSizes(64, 32, 4, 1)
+    # H100, bf16, D=128, causal 4096: forward 64x64 ~280 TFLOP/s, backward 64x64 ~230 (2.5x)
+    return BlockSizes(64, 64, 4, 2) if backward else BlockSizes(64, 64, 4, 3)
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _precision(dtype: torch.dtype):
+    if dtype == torch.bfloat16 and is_interpret_mode():
+        return "upcast"
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _device_ctx(t: torch.Tensor):
+    """Make t's GPU current for the launch (Triton launches on the current device)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _prep(seq_offsets, num_contextual, num_candidates, timestamps, rab_pos, rab_time, dummy):
+    """Normalise optional integer / table inputs to what the kernels load."""
+    seq_offsets = seq_offsets.to(torch.int64).contiguous()
+    nc = num_contextual.to(torch.int32).contiguous() if num_contextual is not None else dummy
+    nk = num_candidates.to(torch.int32).contiguous() if num_candidates is not None else dummy
+    ts = timestamps.to(torch.int64).contiguous() if rab_time is not None else dummy
+    rp = rab_pos.contiguous() if rab_pos is not None else dummy
+    rt = rab_time.contiguous() if rab_time is not None else dummy
+    return seq_offsets, nc, nk, ts, rp, rt
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _common_meta(q, v, nc_, nk_, rp_, rt_, bs: BlockSizes) -> dict:
+    """Constexpr / launch meta-parameters shared by the three kernels."""
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not is_interpret_mode()
+    has_time = 0 if rt_ is None else (1 if rt_.shape[1] <= 31 else 2)
+    return dict(
+        DQK=q.shape[2], DV=v.shape[2], BLOCK_DQK=_block_d(q.shape[2]),
+        BLOCK_DV=_block_d(v.shape[2]), BLOCK_M=bs.block_m, BLOCK_N=bs.block_n,
+        HAS_CTX=nc_ is not None, HAS_CAND=nk_ is not None, HAS_POS=rp_ is not None,
+        HAS_TIME=has_time, PREC=_precision(q.dtype), FAST=fast,
+        num_warps=bs.num_warps, num_stages=bs.num_stages,
+    )  # fmt: skip
+
+
+def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_, bs):
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, v.shape[2], device=q.device, dtype=q.dtype)
+    B = seq_offsets.shape[0] - 1
+    num_m = triton.cdiv(max_seqlen, bs.block_m)
+    if B <= 0 or H == 0 or num_m == 0:
+        return out
+    so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
+    P = rp_.shape[1] if rp_ is not None else 1
+    TB = rt_.shape[1] if rt_ is not None else 1
+    with _device_ctx(q):
+        _hstu_fwd_kernel[(num_m * B * H,)](
+            q, k, v, out, so, nc, nk, ts, rp, rt,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
+            B * H, H, num_m, P, TB, float(alpha), 1.0 / float(normalizer),
+            **_common_meta(q, v, nc_, nk_, rp_, rt_, bs),
+        )  # fmt: skip
+    return out
+
+
+def _bwd_impl(
+    grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
+    need_rp, need_rt, bs,
+):  # fmt: skip
+    q, k, v = (x.contiguous() for x in (q, k, v))  # dq/dk/dv reuse these strides
+    grad_out = _last_dim_contiguous(grad_out.to(q.dtype))
+    T, H, _ = q.shape
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    pos_grad, time_grad = rp_ is not None and need_rp, rt_ is not None and need_rt
+    f32 = dict(device=q.device, dtype=torch.float32)
+    drp = torch.zeros(rp_.shape, **f32) if pos_grad else torch.empty(0, **f32)
+    drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
+    B = seq_offsets.shape[0] - 1
+    num_m = triton.cdiv(max_seqlen, bs.block_m)
+    num_n = triton.cdiv(max_seqlen, bs.block_n)
+    if B > 0 and H > 0 and num_m > 0:
+        so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
+        P = rp_.shape[1] if rp_ is not None else 1
+        TB = rt_.shape[1] if rt_ is not None else 1
+        meta = _common_meta(q, v, nc_, nk_, rp_, rt_, bs)
+        strides = (
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1),
+            rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
+        )  # fmt: skip
+        scalars = (P, TB, float(alpha), 1.0 / float(normalizer))
+        with _device_ctx(q):
+            _hstu_bwd_dkdv_kernel[(num_n * B * H,)](
+                q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
+                *strides, B * H, H, num_n, *scalars, **meta,
+            )  # fmt: skip
+            _hstu_bwd_dq_kernel[(num_m * B * H,)](
+                q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
+                drp if pos_grad else so, drt if time_grad else so,
+                *strides, B * H, H, num_m, *scalars,
+                BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
+                POS_GRAD=pos_grad, TIME_GRAD=time_grad, **meta,
+            )  # fmt: skip
+    if pos_grad:
+        drp = drp.to(rp_.dtype)
+    if time_grad:
+        drt = drt.to(rt_.dtype)
+    return dq, dk, dv, drp, drt
