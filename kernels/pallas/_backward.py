@@ -19,16 +19,15 @@ from ._common import (
     _Cfg,
     _debug_barrier,
     _dot,
-    _key_ranges,
     _load,
-    _load_rows,
-    _load_ts,
+    _load_block,
     _query_ranges,
     _Refs,
     _sample_meta,
     _scores,
     _silu_and_grad,
     _store,
+    _sweep_key_blocks,
     _token_mask,
 )
 
@@ -41,21 +40,12 @@ def _dq_kernel(*refs, cfg: _Cfg):
     h = pl.program_id(2)
     start, n, c, hist = _sample_meta(r, b, cfg)
     qs = qb * bq
-    i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
-    q_ok = i_pos < n
-    q = _load_rows(r.q, start + qs, bq, h, q_ok)
-    do = _load_rows(r.do, start + qs, bq, h, q_ok)
-    tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+    i_pos, q_ok, (q, do), tq = _load_block(r, cfg, ("q", "do"), qs, bq, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
 
     def make_body(masked: bool):
         def body(kb, dq):
-            ks = kb * bk
-            j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
-            k_ok = j_pos < n
-            k = _load_rows(r.k, start + ks, bk, h, k_ok)
-            v = _load_rows(r.v, start + ks, bk, h, k_ok)
-            tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+            j_pos, _, (k, v), tk = _load_block(r, cfg, ("k", "v"), kb * bk, bk, start, n, h)
             s, mask, _ = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
             _, dsilu = _silu_and_grad(s, cfg)
             dp = _dot(do, v, 1, 1)
@@ -64,11 +54,7 @@ def _dq_kernel(*refs, cfg: _Cfg):
 
         return body
 
-    n_int, hi1, lo2, hi2 = _key_ranges(qs, n, c, hist, cfg)
-    dq = jnp.zeros((bq, r.q.shape[-1]), jnp.float32)
-    dq = lax.fori_loop(0, n_int, make_body(False), dq)
-    dq = lax.fori_loop(n_int, hi1, make_body(True), dq)
-    dq = lax.fori_loop(lo2, hi2, make_body(True), dq)
+    dq = _sweep_key_blocks(make_body, r.q.shape[-1], qs, n, c, hist, cfg)
     dq = dq * jnp.float32(cfg.alpha)
     _store(r.dq.at[pl.ds(start + qs, bq), h, :], dq.astype(r.dq.dtype), mask=q_ok[:, None])
 
@@ -88,11 +74,7 @@ def _dkdv_kernel(*refs, cfg: _Cfg):
     h = pl.program_id(2)
     start, n, c, hist = _sample_meta(r, b, cfg)
     ks = kb * bk
-    j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
-    k_ok = j_pos < n
-    k = _load_rows(r.k, start + ks, bk, h, k_ok)
-    v = _load_rows(r.v, start + ks, bk, h, k_ok)
-    tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+    j_pos, k_ok, (k, v), tk = _load_block(r, cfg, ("k", "v"), ks, bk, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
     t_iota = jnp.arange(cfg.time_pad, dtype=jnp.int32)
     if cfg.pos_size:
@@ -106,12 +88,7 @@ def _dkdv_kernel(*refs, cfg: _Cfg):
 
     def body(qb, carry, masked: bool):
         dk, dv, dtime = carry
-        qs = qb * bq
-        i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
-        q_ok = i_pos < n
-        q = _load_rows(r.q, start + qs, bq, h, q_ok)
-        do = _load_rows(r.do, start + qs, bq, h, q_ok)
-        tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+        i_pos, _, (q, do), tq = _load_block(r, cfg, ("q", "do"), qb * bq, bq, start, n, h)
         s, mask, tb = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
         silu, dsilu = _silu_and_grad(s, cfg)
         p = _apply_mask(mask, silu * inv_n)

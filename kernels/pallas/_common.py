@@ -217,6 +217,28 @@ def _load_ts(ref, row0, size, ok):
     return _load(ref.at[pl.ds(row0, size)], mask=ok, other=0)
 
 
+def _load_block(r, cfg: _Cfg, names, first, size, start, n, h):
+    """Block of ``size`` local positions from ``first`` in the sample starting at token
+    ``start``: (positions, in-sample flags, one row tile per ref in ``names``, timestamps or
+    None when there is no time bias)."""
+    pos = first + jnp.arange(size, dtype=jnp.int32)
+    ok = pos < n
+    tiles = tuple(_load_rows(getattr(r, name), start + first, size, h, ok) for name in names)
+    ts = _load_ts(r.ts, start + first, size, ok) if cfg.time_size else None
+    return pos, ok, tiles, ts
+
+
+def _sweep_key_blocks(make_body, width: int, qs, n, c, hist, cfg: _Cfg):
+    """Fold ``make_body(masked)(kb, acc)`` from a zero fp32 ``[bq, width]`` accumulator over
+    the key blocks that query rows ``[qs, qs + bq)`` need (``_key_ranges``): the unmasked
+    ones, then the two masked ranges."""
+    n_int, hi1, lo2, hi2 = _key_ranges(qs, n, c, hist, cfg)
+    carry = jnp.zeros((cfg.bq, width), jnp.float32)
+    carry = lax.fori_loop(0, n_int, make_body(False), carry)
+    carry = lax.fori_loop(n_int, hi1, make_body(True), carry)
+    return lax.fori_loop(lo2, hi2, make_body(True), carry)
+
+
 def _dot(a, b, contract_a: int, contract_b: int):
     """fp32-accumulating 2-D matmul; fp32 operands use full precision (not TF32)."""
     prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

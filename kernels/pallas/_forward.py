@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import (
@@ -13,14 +12,13 @@ from ._common import (
     _call,
     _Cfg,
     _dot,
-    _key_ranges,
-    _load_rows,
-    _load_ts,
+    _load_block,
     _Refs,
     _sample_meta,
     _scores,
     _silu_and_grad,
     _store,
+    _sweep_key_blocks,
     _token_mask,
 )
 
@@ -33,20 +31,12 @@ def _fwd_kernel(*refs, cfg: _Cfg):
     h = pl.program_id(2)
     start, n, c, hist = _sample_meta(r, b, cfg)
     qs = qb * bq
-    i_pos = qs + jnp.arange(bq, dtype=jnp.int32)
-    q_ok = i_pos < n
-    q = _load_rows(r.q, start + qs, bq, h, q_ok)
-    tq = _load_ts(r.ts, start + qs, bq, q_ok) if cfg.time_size else None
+    i_pos, q_ok, (q,), tq = _load_block(r, cfg, ("q",), qs, bq, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
 
     def make_body(masked: bool):
         def body(kb, acc):
-            ks = kb * bk
-            j_pos = ks + jnp.arange(bk, dtype=jnp.int32)
-            k_ok = j_pos < n
-            k = _load_rows(r.k, start + ks, bk, h, k_ok)
-            v = _load_rows(r.v, start + ks, bk, h, k_ok)
-            tk = _load_ts(r.ts, start + ks, bk, k_ok) if cfg.time_size else None
+            j_pos, _, (k, v), tk = _load_block(r, cfg, ("k", "v"), kb * bk, bk, start, n, h)
             s, mask, _ = _scores(cfg, r, h, q, k, i_pos, j_pos, tq, tk, n, c, hist, masked)
             silu, _ = _silu_and_grad(s, cfg)
             p = _apply_mask(mask, silu * inv_n)
@@ -54,11 +44,7 @@ def _fwd_kernel(*refs, cfg: _Cfg):
 
         return body
 
-    n_int, hi1, lo2, hi2 = _key_ranges(qs, n, c, hist, cfg)
-    acc = jnp.zeros((bq, r.v.shape[-1]), jnp.float32)
-    acc = lax.fori_loop(0, n_int, make_body(False), acc)
-    acc = lax.fori_loop(n_int, hi1, make_body(True), acc)
-    acc = lax.fori_loop(lo2, hi2, make_body(True), acc)
+    acc = _sweep_key_blocks(make_body, r.v.shape[-1], qs, n, c, hist, cfg)
     _store(r.o.at[pl.ds(start + qs, bq), h, :], acc.astype(r.o.dtype), mask=q_ok[:, None])
 
 

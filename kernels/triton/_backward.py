@@ -10,6 +10,7 @@ from ._common import (
     _block_start,
     _dot,
     _key_ranges,
+    _load_rows,
     _logits,
     _num_blocks,
     _query_ranges,
@@ -18,6 +19,7 @@ from ._common import (
     _reduce_sum,
     _sample_info,
     _sigmoid,
+    _store_rows,
     _time_bucket,
     _visible,
 )
@@ -33,20 +35,10 @@ def _dkdv_tile(
 ):  # fmt: skip
     # transposed orientation: rows are keys, columns are queries
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     rows = seq_start + offs_m
     in_m = offs_m < n
-    q = tl.load(
-        Q + rows[:, None] * stride_qt + offs_dqk[None, :],
-        mask=in_m[:, None] & (offs_dqk[None, :] < DQK),
-        other=0.0,
-    )
-    do = tl.load(
-        DO + rows[:, None] * stride_dot + offs_dv[None, :],
-        mask=in_m[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
+    q = _load_rows(Q, rows, in_m, stride_qt, DQK, BLOCK_DQK)
+    do = _load_rows(DO, rows, in_m, stride_dot, DV, BLOCK_DV)
     ts_q = 0
     if HAS_TIME:
         ts_q = tl.load(Ts + rows, mask=in_m, other=0)[None, :]
@@ -92,14 +84,10 @@ def _hstu_bwd_dkdv_kernel(
         RabPos += h * stride_rp
         RabTime += h * stride_rt
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows_n = seq_start + offs_n
         in_n = offs_n < n
-        kmask = in_n[:, None] & (offs_dqk[None, :] < DQK)
-        vmask = in_n[:, None] & (offs_dv[None, :] < DV)
-        k = tl.load(K + rows_n[:, None] * stride_kt + offs_dqk[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + rows_n[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)
+        k = _load_rows(K, rows_n, in_n, stride_kt, DQK, BLOCK_DQK)
+        v = _load_rows(V, rows_n, in_n, stride_vt, DV, BLOCK_DV)
         ts_k = 0
         if HAS_TIME:
             ts_k = tl.load(Ts + rows_n, mask=in_n, other=0)[:, None]
@@ -127,16 +115,8 @@ def _hstu_bwd_dkdv_kernel(
                 stride_qt, stride_dot, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
             )  # fmt: skip
-        tl.store(
-            DK + rows_n[:, None] * stride_kt + offs_dqk[None, :],
-            (dk * alpha).to(DK.dtype.element_ty),
-            mask=kmask,
-        )
-        tl.store(
-            DVout + rows_n[:, None] * stride_vt + offs_dv[None, :],
-            (dv * inv_norm).to(DVout.dtype.element_ty),
-            mask=vmask,
-        )
+        _store_rows(DK, rows_n, in_n, stride_kt, dk * alpha, DQK, BLOCK_DQK)
+        _store_rows(DVout, rows_n, in_n, stride_vt, dv * inv_norm, DV, BLOCK_DV)
 
 
 @triton.jit
@@ -149,20 +129,10 @@ def _dq_tile(
     TIME_GRAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     rows = seq_start + offs_n
     in_n = offs_n < n
-    k = tl.load(
-        K + rows[:, None] * stride_kt + offs_dqk[None, :],
-        mask=in_n[:, None] & (offs_dqk[None, :] < DQK),
-        other=0.0,
-    )
-    v = tl.load(
-        V + rows[:, None] * stride_vt + offs_dv[None, :],
-        mask=in_n[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
+    k = _load_rows(K, rows, in_n, stride_kt, DQK, BLOCK_DQK)
+    v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
     ts_k = 0
     if HAS_TIME:
         ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
@@ -224,17 +194,10 @@ def _hstu_bwd_dq_kernel(
         DRabPos += h * P
         DRabTime += h * TB
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows_m = seq_start + offs_m
         in_m = offs_m < n
-        qmask = in_m[:, None] & (offs_dqk[None, :] < DQK)
-        q = tl.load(Q + rows_m[:, None] * stride_qt + offs_dqk[None, :], mask=qmask, other=0.0)
-        do = tl.load(
-            DO + rows_m[:, None] * stride_dot + offs_dv[None, :],
-            mask=in_m[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
+        q = _load_rows(Q, rows_m, in_m, stride_qt, DQK, BLOCK_DQK)
+        do = _load_rows(DO, rows_m, in_m, stride_dot, DV, BLOCK_DV)
         ts_q = 0
         if HAS_TIME:
             ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
@@ -258,11 +221,7 @@ def _hstu_bwd_dq_kernel(
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME, POS_GRAD,
                 TIME_GRAD, PREC, FAST, True,
             )  # fmt: skip
-        tl.store(
-            DQ + rows_m[:, None] * stride_qt + offs_dqk[None, :],
-            (dq * alpha).to(DQ.dtype.element_ty),
-            mask=qmask,
-        )
+        _store_rows(DQ, rows_m, in_m, stride_qt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:
             offs_tb = tl.arange(0, BLOCK_TB)
             tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")

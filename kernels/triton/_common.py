@@ -191,3 +191,26 @@ def _block_start(it, lo_a, n_a, lo_b, n_b, lo_c, BLOCK: tl.constexpr):
     (one inlined copy of the tile code) walks several disjoint ranges."""
     start = tl.where(it < n_a + n_b, lo_b + (it - n_a) * BLOCK, lo_c + (it - n_a - n_b) * BLOCK)
     return tl.where(it < n_a, lo_a + it * BLOCK, start)
+
+
+@triton.jit
+def _load_rows(Ptr, rows, in_rows, stride, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile ``[len(rows), BLOCK_D]`` of a row-major ``[T, D]`` head slice: token rows ``rows``
+    (``stride`` elements apart), zero outside ``in_rows`` and beyond column ``D``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(
+        Ptr + rows[:, None] * stride + offs_d[None, :],
+        mask=in_rows[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _store_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write ``val`` (cast to the pointer's dtype) where ``_load_rows`` would read it."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(
+        Ptr + rows[:, None] * stride + offs_d[None, :],
+        val.to(Ptr.dtype.element_ty),
+        mask=in_rows[:, None] & (offs_d[None, :] < D),
+    )

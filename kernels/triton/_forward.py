@@ -7,10 +7,12 @@ from ._common import (
     _block_start,
     _dot,
     _key_ranges,
+    _load_rows,
     _logits,
     _num_blocks,
     _sample_info,
     _sigmoid,
+    _store_rows,
     _visible,
 )
 
@@ -24,20 +26,10 @@ def _fwd_tile(
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     rows = seq_start + offs_n
     in_n = offs_n < n
-    k = tl.load(
-        K + rows[:, None] * stride_kt + offs_dqk[None, :],
-        mask=in_n[:, None] & (offs_dqk[None, :] < DQK),
-        other=0.0,
-    )
-    v = tl.load(
-        V + rows[:, None] * stride_vt + offs_dv[None, :],
-        mask=in_n[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
+    k = _load_rows(K, rows, in_n, stride_kt, DQK, BLOCK_DQK)
+    v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
     ts_k = 0
     if HAS_TIME:
         ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
@@ -73,15 +65,9 @@ def _hstu_fwd_kernel(
         RabPos += h * stride_rp
         RabTime += h * stride_rt
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows_m = seq_start + offs_m
         in_m = offs_m < n
-        q = tl.load(
-            Q + rows_m[:, None] * stride_qt + offs_dqk[None, :],
-            mask=in_m[:, None] & (offs_dqk[None, :] < DQK),
-            other=0.0,
-        )
+        q = _load_rows(Q, rows_m, in_m, stride_qt, DQK, BLOCK_DQK)
         ts_q = 0
         if HAS_TIME:
             ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
@@ -103,8 +89,4 @@ def _hstu_fwd_kernel(
                 stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
                 HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
             )  # fmt: skip
-        tl.store(
-            Out + rows_m[:, None] * stride_ot + offs_dv[None, :],
-            (acc * inv_norm).to(Out.dtype.element_ty),
-            mask=in_m[:, None] & (offs_dv[None, :] < DV),
-        )
+        _store_rows(Out, rows_m, in_m, stride_ot, acc * inv_norm, DV, BLOCK_DV)
