@@ -50,9 +50,16 @@ print('torchrec', torchrec.__version__)" ;;
       # compiled Triton vs compiled Pallas vs both references; then the demo recipe on one GPU
       # (1 rank x 32 samples = the golden file's 4 x 8 global batches) against the golden curve
       run kernel_parity_gpu python -m pytest -q -m gpu tests/parity/test_kernel_parity.py
-      run demo_parity_1gpu python -m hstu.cli parity --config configs/demo.yaml \
-        train.steps=30 dist.world_size=1 data.batch_size=32 dist.device=gpu \
-        --output-dir "$OUT/parity" --golden tests/parity/golden_demo_losses.json ;;
+      # fp32 and bf16, reference attention and the kernels (Triton vs Pallas); every run is
+      # also held against the fp32 golden curve (bf16 at its own, wider tolerance)
+      for attn in reference kernel; do
+        for dtype in float32 bfloat16; do
+          run "parity_${attn}_${dtype}" python -m hstu.cli parity --config configs/demo.yaml \
+            train.steps=30 dist.world_size=1 data.batch_size=32 dist.device=gpu \
+            model.dtype=$dtype model.attention=$attn --output-dir "$OUT/parity_${attn}_${dtype}" \
+            --golden tests/parity/golden_demo_losses.json
+        done
+      done ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done
