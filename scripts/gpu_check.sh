@@ -40,6 +40,7 @@ print('torchrec', torchrec.__version__)" ;;
       run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py ;;
     bench)
       run triton_bench python -m hstu_kernels.triton.bench
+      run triton_bias_bench python -m hstu_kernels.triton.bench_bias
       run pallas_bench python -m hstu_kernels.pallas.bench ;;
     train)
       run torch_train_1gpu python -m hstu.cli train --backend torch --config configs/gpu.yaml \

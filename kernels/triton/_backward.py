@@ -121,11 +121,11 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(
-    dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos, seq_start,
+    dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos, seq_start,
     stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr, HAS_CTX: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
+    HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
     TIME_GRAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -148,9 +148,26 @@ def _dq_tile(
         mask = _visible(qi, kj, n, hist_end, C, HAS_CTX)
         dz = tl.where(mask, dz, 0.0)
     dq += _dot(dz.to(k.dtype), k, PREC)
-    if POS_GRAD:
+    if POS_GRAD == 1:  # P >= max_seqlen: no pair distance is clamped into the last bucket
         pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
         tl.atomic_add(DRabPos + pos_idx, dz, mask=mask, sem="relaxed")
+    if POS_GRAD == 2:
+        # The clamped bucket P - 1 gathers every pair at distance >= P - 1: sum it in registers
+        # and add it once per tile (per-pair atomics there queue every program on one address,
+        # 45x slower). Buckets below P - 1: one atomic per pair, skipped for far tiles.
+        d_lo = m0 - (start_n + BLOCK_N - 1)  # i - j over the tile
+        d_hi = m0 + BLOCK_M - 1 - start_n
+        dist_min = tl.where((d_lo <= 0) & (d_hi >= 0), 0, tl.minimum(tl.abs(d_lo), tl.abs(d_hi)))
+        dist_max = tl.maximum(tl.abs(d_lo), tl.abs(d_hi))
+        pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
+        if dist_min < P - 1:
+            near = pos_idx < P - 1
+            if MASKED:
+                near = near & mask
+            tl.atomic_add(DRabPos + pos_idx, dz, mask=near, sem="relaxed")
+        if dist_max >= P - 1:
+            far = _reduce_sum(tl.where(pos_idx == P - 1, dz, 0.0))  # dz is 0 where masked
+            tl.atomic_add(DRabPos + (P - 1), far, sem="relaxed")
     if TIME_GRAD:
         # few distinct buckets per tile: reduce each in registers, no contended atomics
         tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME).to(tl.int32)
@@ -206,20 +223,20 @@ def _hstu_bwd_dq_kernel(
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
+                dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
                 seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME, POS_GRAD,
-                TIME_GRAD, PREC, FAST, False,
+                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME,
+                POS_GRAD, TIME_GRAD, PREC, FAST, False,
             )  # fmt: skip
         n_a = _num_blocks(full, hi1, BLOCK_N)
         n_b = _num_blocks(lo2, hi2, BLOCK_N)
         for it in range(0, n_a + n_b):
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
+                dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
                 seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME, POS_GRAD,
-                TIME_GRAD, PREC, FAST, True,
+                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME,
+                POS_GRAD, TIME_GRAD, PREC, FAST, True,
             )  # fmt: skip
         _store_rows(DQ, rows_m, in_m, stride_qt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:

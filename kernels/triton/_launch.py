@@ -112,6 +112,14 @@ def _common_meta(q, v, nc_, nk_, rp_, rt_, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
+def _pos_grad_mode(pos_grad: bool, num_buckets: int, max_seqlen: int) -> int:
+    """dq kernel's rab_pos gradient: 0 none; 1 per-pair atomics (no pair distance is clamped
+    into the last bucket); 2 the clamped last bucket summed per tile first."""
+    if not pos_grad:
+        return 0
+    return 1 if num_buckets >= max_seqlen else 2
+
+
 def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_, bs):
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     T, H, _ = q.shape
@@ -171,7 +179,7 @@ def _bwd_impl(
                 drp if pos_grad else so, drt if time_grad else so,
                 *strides, B * H, H, num_m, *scalars,
                 BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
-                POS_GRAD=pos_grad, TIME_GRAD=time_grad, **meta,
+                POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad, **meta,
             )  # fmt: skip
     if pos_grad:
         drp = drp.to(rp_.dtype)

@@ -31,6 +31,7 @@ from hstu_kernels.triton.hstu_attention import (  # noqa: E402
 
 # the module (the package attribute of the same name is the function)
 hstu_attention_module = importlib.import_module("hstu_kernels.triton.hstu_attention")
+_launch = importlib.import_module("hstu_kernels.triton._launch")
 _INTERPRET = is_interpret_mode()
 if not _CUDA and not _INTERPRET:
     pytest.skip(
@@ -192,6 +193,28 @@ def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
         _assert_close(g, rg, max(tol, 1e-4) if name.startswith("rab") else tol, f"d{name}")
         if name in ("q", "k", "v"):
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
+
+
+@pytest.mark.parametrize("pos_buckets", ["few", "all"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, monkeypatch):
+    """rab_pos gradient on both paths of the dq kernel: a last bucket that collects whole far
+    tiles (summed per tile), and one bucket per distance (per-pair atomics only)."""
+    cfg = SHAPES[mode]
+    num = 3 if pos_buckets == "few" else cfg["max_seqlen"]
+    monkeypatch.setitem(cfg, "P", num)
+    qkv, offsets, kw, tables, grad_out, _ = _make_inputs(mode, "ctx_cand_pos", torch.float32, 7)
+    assert _launch._pos_grad_mode(True, num, kw["max_seqlen"]) == (2 if num == 3 else 1)
+    leaves = [x.clone().requires_grad_() for x in [*qkv, tables["rab_pos"]]]
+    ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    blocks = cfg["blocks"]["default"]
+    out = hstu_attention(*leaves[:3], offsets, **kw, rab_pos=leaves[3], block_sizes=blocks)
+    ref = hstu_attention_reference(*ref_leaves[:3], offsets, **kw, rab_pos=ref_leaves[3])
+    (g,) = torch.autograd.grad(out, leaves[3], grad_out)
+    (rg,) = torch.autograd.grad(ref, ref_leaves[3], grad_out)
+    _assert_close(g, rg, 1e-4, "drab_pos")
+    far = min(num, max(cfg["lengths"])) - 1  # the clamped bucket, or the longest distance
+    assert rg[:, far].abs().min() > 0, f"bucket {far} must collect pairs in this case"
 
 
 @pytest.mark.parametrize("num_buckets", [31, 40], ids=["int32_buckets", "int64_buckets"])
