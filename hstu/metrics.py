@@ -118,11 +118,20 @@ def format_step(m: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _compiled(rows: list[dict], i: int) -> bool:
+    """Step i built a new program (the JAX backend logs its running count of shape buckets)."""
+    return i > 0 and rows[i].get("num_compiles", 0) > rows[i - 1].get("num_compiles", 0)
+
+
 def summarize(rows: list[dict], skip_warmup: int = 1) -> dict[str, float]:
-    """Medians over the steps after warm-up (the first steps compile / allocate)."""
-    use = rows[skip_warmup:] if len(rows) > skip_warmup else rows
-    if not use:
+    """Medians over the steps after warm-up: the first `skip_warmup` steps and every later step
+    that compiled a new program (a new shape bucket in the JAX backend) are left out; how many
+    steps remain is `steps_timed`."""
+    if not rows:
         return {}
+    use = [r for i, r in enumerate(rows) if i >= skip_warmup and not _compiled(rows, i)]
+    if not use:  # too few steps to leave any out
+        use = rows[skip_warmup:] or rows
 
     def med(key):
         vals = [r[key] for r in use if key in r]
@@ -130,6 +139,7 @@ def summarize(rows: list[dict], skip_warmup: int = 1) -> dict[str, float]:
 
     out = {
         "steps": len(rows),
+        "steps_timed": len(use),
         "first_loss": rows[0].get("loss", float("nan")),
         "last_loss": rows[-1].get("loss", float("nan")),
         "imbalance_before": med("imbalance_before"),
@@ -147,6 +157,7 @@ def format_summary(summary: dict[str, float], title: str = "summary") -> str:
     lines = [f"{title} (medians after warm-up)", "-" * 44]
     labels = {
         "steps": "steps",
+        "steps_timed": "steps timed (no compile)",
         "first_loss": "loss (first step)",
         "last_loss": "loss (last step)",
         "imbalance_before": "imbalance before shuffle",

@@ -2,6 +2,7 @@
 # Build, check and time everything on a GPU machine in one go; prints a short table at the end.
 #
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
+#                                               multi (>= 2 GPUs; not in the default)
 #                                               (default: all)
 #
 # The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
@@ -59,6 +60,17 @@ print('torchrec', torchrec.__version__)" ;;
             train.steps=30 dist.world_size=1 data.batch_size=32 dist.device=gpu \
             model.dtype=$dtype model.attention=$attn --output-dir "$OUT/parity_${attn}_${dtype}" \
             --golden tests/parity/golden_demo_losses.json
+        done
+      done ;;
+    multi)
+      # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
+      # shuffler against identity on the Zipf recipe, both backends, 2 ranks
+      run nccl_tests timeout 300 python -m pytest -q -m gpu tests/multirank -p no:cacheprovider
+      for backend in torch jax; do
+        for shuffler in identity balanced; do
+          run "train_2gpu_${backend}_${shuffler}" timeout 200 python -m hstu.cli train \
+            --backend $backend --config configs/gpu.yaml dist.world_size=2 train.steps=20 \
+            balance.shuffler=$shuffler output_dir="$OUT/train_2gpu_${backend}_${shuffler}"
         done
       done ;;
     *) echo "unknown section $s"; exit 2 ;;
