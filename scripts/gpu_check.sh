@@ -69,7 +69,7 @@ print('torchrec', torchrec.__version__)" ;;
       for backend in torch jax; do
         for shuffler in identity balanced; do
           run "train_2gpu_${backend}_${shuffler}" timeout 200 python -m hstu.cli train \
-            --backend $backend --config configs/gpu.yaml dist.world_size=2 train.steps=20 \
+            --backend $backend --config configs/gpu.yaml dist.world_size=2 train.steps=100 \
             balance.shuffler=$shuffler output_dir="$OUT/train_2gpu_${backend}_${shuffler}"
         done
       done ;;
