@@ -17,9 +17,10 @@ TORCHREC_PKGS := torchrec==1.8.0
 TORCHREC_DEPS := tensordict==0.15.3 pyre-extensions==0.0.32 typing-inspect==0.9.0 \
 	iopath==0.1.10 torchmetrics==1.9.0 lightning-utilities==0.15.3 tqdm==4.70.1
 JAX_PKGS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
-OTHER_PKGS := triton==3.9.0 numpy pyyaml pytest hypothesis ruff pytest-timeout
+OTHER_PKGS := triton==3.9.0 numpy pyyaml tqdm tensorboard matplotlib pytest hypothesis ruff \
+	pytest-timeout
 
-.PHONY: setup demo test lint format bench parity clean
+.PHONY: setup demo test test-fast lint format bench parity clean
 
 setup: $(STAMP)
 
@@ -36,10 +37,14 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/hstu train --backend torch --config configs/demo.yaml
+	$(VENV)/bin/hstu train --backend torch --config demo
 
 test: setup
 	$(VENV)/bin/python -m pytest -q
+
+# The core's tests alone, with torch and jax blocked (they must not be needed): seconds.
+test-fast: setup
+	HSTU_BLOCK_BACKENDS=1 $(VENV)/bin/python -m pytest -q tests/core
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
 """Lazy backend registry: a torch-only user never imports jax, and the reverse.
 
-A backend module exposes `train(cfg) -> list[dict]` (the per-step metrics of this process),
-running the core pipeline with its primitives.
+A backend module exposes `train(cfg, source=None) -> list[dict]` (the per-step metrics on the
+logging process), running the core trainer (`hstu.trainer`) with its primitives; `source` is a
+`hstu.data.loader.SampleSource` (default: the one `cfg.data` describes).
 """
 
 from __future__ import annotations

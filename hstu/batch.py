@@ -309,3 +309,52 @@ def from_samples(
         col[: len(samples)] = [int(s[k]) for s in samples]
         dense[k] = col
     return JaggedBatch(batch_size, len(samples), lengths, values, dense)
+
+
+def check_model_inputs(batch: JaggedBatch, model, max_seqlen: int, rank: int | None = None):
+    """What the HSTU model of `model` (a ModelConfig) needs of a valid batch, checked on the
+    host before any collective, the same for both backends: the jagged keys of its task, ids
+    inside their tables, the retrieval negatives' counts, and no sample longer than
+    `max_seqlen` tokens (the bound the kernels tile for; a longer sample is an error, never
+    truncated). Out-of-range ids would otherwise fail inside a device kernel mid-step (torch)
+    or read a wrong row (a clamped gather)."""
+    where = f" on rank {rank}" if rank is not None else ""
+    needed = HSTU_JAGGED_KEYS + (("negative",) if model.task == "retrieval" else ())
+    missing = [k for k in needed if k not in batch.lengths]
+    if missing:
+        raise HSTUError(f"invalid batch{where}: the {model.task} model needs jagged keys {missing}")
+    limits = {
+        "contextual": model.num_contextual_ids,
+        "item": model.num_items,
+        "candidate": model.num_items,
+        "action": model.num_actions,
+        "label": 2**model.num_tasks,
+        "negative": model.num_items,
+    }
+    for key, limit in limits.items():
+        if key not in needed:
+            continue
+        ids = np.asarray(batch.values[key])
+        bad = np.flatnonzero((ids < 0) | (ids >= limit))
+        if bad.size:
+            raise HSTUError(
+                f"invalid batch{where}: values['{key}'] must lie in [0, {limit}); "
+                f"positions {bad[:5].tolist()} hold {ids[bad[:5]].tolist()}"
+            )
+    seq = batch.seq_lengths()
+    long = np.flatnonzero(seq > max_seqlen)
+    if long.size:
+        raise HSTUError(
+            f"invalid batch{where}: samples {long[:5].tolist()} have {seq[long[:5]].tolist()} "
+            f"tokens, over the configured maximum {max_seqlen} (data.num_contextual + "
+            "2 * data.max_history + data.max_candidates); raise those limits"
+        )
+    if model.task == "retrieval":
+        want = np.maximum(batch.lengths["item"] - 1, 0) * model.num_negatives
+        bad = np.flatnonzero(batch.lengths["negative"] != want)
+        if bad.size:
+            raise HSTUError(
+                f"invalid batch{where}: lengths['negative'] must be "
+                f"(len(item) - 1) * num_negatives={model.num_negatives}; samples "
+                f"{bad[:5].tolist()} have {batch.lengths['negative'][bad[:5]].tolist()}"
+            )

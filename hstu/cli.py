@@ -13,8 +13,9 @@ def _train(args: argparse.Namespace) -> int:
     from hstu.config import load_config
     from hstu.metrics import format_summary, summarize
 
+    # Every config error is raised here, in the launching process, before any rank starts;
+    # the resolved config is printed by the logging rank once the launcher fixed the world.
     cfg = load_config(args.config, args.overrides)
-    print(f"# resolved config (backend={args.backend})\n{cfg.to_yaml()}", flush=True)
     train = backends.get_train(args.backend)
     rows = train(cfg)
     if rows:  # only the process that logs (rank 0) returns rows
@@ -30,8 +31,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from hstu.checkpoint import convert, describe, find_run_config
     from hstu.config import load_config
+    from hstu.convert import convert, describe, find_run_config
 
     config = args.config or find_run_config(args.src)
     if config is None:
@@ -43,6 +44,19 @@ def _convert(args: argparse.Namespace) -> int:
     state, written = convert(args.src_backend, args.dst_backend, args.src, args.dst, cfg)
     print(f"{args.src_backend} {state.source} -> {args.dst_backend} {written}: {describe(state)}")
     return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from hstu.config import format_keys, load_config
+
+    print(format_keys(load_config(args.config, args.overrides)))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from hstu.plot import main as plot_main
+
+    return plot_main(args.rest)
 
 
 def _parity(args: argparse.Namespace) -> int:
@@ -59,6 +73,14 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _keys_epilog() -> str:
+    from hstu.config import describe
+
+    lines = ["config keys (key.sub=value; `hstu config show` adds the resolved values):"]
+    lines += [f"  {k.key} ({k.type}, default {k.default!r}): {k.doc}" for k in describe()]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hstu",
@@ -69,10 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a recipe with the torch or jax backend",
-        description="Train; key.sub=value arguments override the config.",
+        description="Train; key.sub=value arguments override the config. --config takes a "
+        "YAML file or a packaged recipe's name (demo, gpu, bench_upstream, ...).",
+        epilog=_keys_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--backend", required=True, choices=["torch", "jax"])
-    train.add_argument("--config", default="configs/demo.yaml")
+    train.add_argument("--config", default="demo", help="recipe file or name (default: demo)")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(func=_train)
 
@@ -103,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "backend's tokens/s. Exits 1 when the largest relative difference exceeds --rtol "
         "(or a backend drifts from --golden).",
     )
-    parity.add_argument("--config", default="configs/demo.yaml")
+    parity.add_argument("--config", default="demo", help="recipe file or name (default: demo)")
     parity.add_argument(
         "--rtol",
         type=float,
@@ -120,6 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parity.add_argument("overrides", nargs="*", metavar="key=value")
     parity.set_defaults(func=_parity)
+
+    config = sub.add_parser("config", help="show every config key: type, default, description")
+    config_sub = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = config_sub.add_parser(
+        "show",
+        help="print every key with its type, value, default and description",
+        description="Print every config key with its type, resolved value (marked * where it "
+        "differs from the default), default and a one-line description.",
+    )
+    show.add_argument("--config", default=None, help="recipe file or name (default: none)")
+    show.add_argument("overrides", nargs="*", metavar="key=value")
+    show.set_defaults(func=_config_show)
+
+    plot = sub.add_parser(
+        "plot",
+        help="PNGs of a run: loss, throughput, per-rank load before/after balancing",
+        add_help=False,
+    )
+    plot.add_argument("rest", nargs=argparse.REMAINDER)
+    plot.set_defaults(func=_plot)
 
     bench = sub.add_parser("bench", help="benchmarks (balance: partitioner quality and time)")
     bench.add_argument("what", choices=["balance"])

@@ -1,13 +1,20 @@
 """One config tree: dataclasses that validate themselves, YAML recipes, `key.sub=value` overrides.
 
-An unknown key (in a YAML file or an override) is an error naming the key, so a typo never
-silently falls back to a default.
+Every key is a dataclass field whose metadata carries its one-line description (`doc`), so
+`hstu config show` and the docs read from the same place as the code. An unknown key (in a
+YAML file, an override, or inside `data.seqlen_params`) is an error naming the key and the
+accepted ones, so a typo never silently falls back to a default.
+
+Recipes are YAML files; `--config demo` names one of the packaged recipes (`configs/` in the
+source tree, installed as the `hstu_recipes` package) from any directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -15,6 +22,13 @@ from typing import Any, get_type_hints
 import yaml
 
 from hstu.errors import HSTUError
+
+
+def _opt(default: Any, doc: str) -> Any:
+    """A config field with its one-line description."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
 
 
 def _check(cond: bool, name: str, value: Any, why: str) -> None:
@@ -26,60 +40,49 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
     _check(value in choices, name, value, f"must be one of {list(choices)}")
 
 
+def _positive(obj: Any, prefix: str, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        ok = value >= 0 if allow_zero else value > 0
+        _check(ok, prefix + name, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
 @dataclass
 class ModelConfig:
-    embedding_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    attention_dim: int = 32  # Dqk per head
-    linear_dim: int = 32  # Dv per head
-    alpha: float | None = None  # None -> 1 / sqrt(attention_dim)
-    # Fixed attention normaliser N; never the batch's max length, which a shuffle changes.
-    normalizer: float = 128.0
-    dropout: float = 0.0
-    num_items: int = 2000
-    num_actions: int = 8
-    num_contextual_ids: int = 100
-    rab_position_buckets: int = 0  # 0 disables the relative position bias
-    rab_time_buckets: int = 0  # 0 disables the relative time bias
-    # reference (padded dense) | kernel = the backend's fused kernel: triton (torch) or
-    # pallas (jax); naming the other backend's kernel is an error when the model is built.
-    attention: str = "reference"
-    task: str = "ranking"  # ranking | retrieval
-    num_tasks: int = 2  # ranking: tasks encoded as label bits
-    num_negatives: int = 16  # retrieval: sampled negatives per target
-    retrieval_temperature: float = 0.05
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (compute dtype of the HSTU stack)
+    embedding_dim: int = _opt(64, "hidden size D of the HSTU stack and the embedding tables")
+    num_layers: int = _opt(2, "HSTU layers")
+    num_heads: int = _opt(2, "attention heads H")
+    attention_dim: int = _opt(32, "query/key size per head (Dqk)")
+    linear_dim: int = _opt(32, "value size per head (Dv)")
+    alpha: float | None = _opt(None, "scale inside the attention SiLU; null: 1/sqrt(attention_dim)")
+    normalizer: float = _opt(
+        128.0, "fixed attention normaliser N (never the batch's max length, which a shuffle moves)"
+    )
+    dropout: float = _opt(0.0, "dropout after the attention gating, in [0, 1)")
+    num_items: int = _opt(2000, "rows of the item table (item and candidate ids)")
+    num_actions: int = _opt(8, "rows of the action table")
+    num_contextual_ids: int = _opt(100, "rows of the contextual-feature table")
+    rab_position_buckets: int = _opt(0, "relative position bias buckets (0: no position bias)")
+    rab_time_buckets: int = _opt(0, "relative time bias buckets, log2 of the gap (0: none)")
+    attention: str = _opt(
+        "reference",
+        "reference (padded dense) | kernel: the backend's fused kernel, also triton / pallas",
+    )
+    task: str = _opt("ranking", "ranking (multi-task BCE on candidates) | retrieval")
+    num_tasks: int = _opt(2, "ranking tasks, encoded as the bits of each candidate's label")
+    num_negatives: int = _opt(16, "retrieval: sampled negatives per target")
+    retrieval_temperature: float = _opt(0.05, "retrieval: softmax temperature")
+    dtype: str = _opt("float32", "compute dtype of the HSTU stack: float32 | bfloat16 | float16")
 
     def validate(self) -> None:
         p = "model."
-        for name in (
-            "embedding_dim",
-            "num_layers",
-            "num_heads",
-            "attention_dim",
-            "linear_dim",
-            "num_items",
-            "num_actions",
-            "num_contextual_ids",
-            "num_tasks",
-        ):
-            _check(getattr(self, name) > 0, p + name, getattr(self, name), "must be > 0")
-        _check(self.normalizer > 0, p + "normalizer", self.normalizer, "must be > 0")
+        _positive(self, p, "embedding_dim", "num_layers", "num_heads", "attention_dim")
+        _positive(self, p, "linear_dim", "num_items", "num_actions", "num_contextual_ids")
+        _positive(self, p, "num_tasks", "num_negatives", "normalizer", "retrieval_temperature")
+        _positive(self, p, "rab_position_buckets", "rab_time_buckets", allow_zero=True)
         _check(0.0 <= self.dropout < 1.0, p + "dropout", self.dropout, "must be in [0, 1)")
-        _check(
-            self.rab_position_buckets >= 0,
-            p + "rab_position_buckets",
-            self.rab_position_buckets,
-            "must be >= 0",
-        )
-        _check(
-            self.rab_time_buckets >= 0,
-            p + "rab_time_buckets",
-            self.rab_time_buckets,
-            "must be >= 0",
-        )
-        _check(self.num_negatives > 0, p + "num_negatives", self.num_negatives, "must be > 0")
+        if self.alpha is not None:
+            _check(math.isfinite(self.alpha), p + "alpha", self.alpha, "must be finite")
         _one_of(p + "attention", self.attention, ("reference", "kernel", "triton", "pallas"))
         _one_of(p + "task", self.task, ("ranking", "retrieval"))
         _one_of(p + "dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -103,26 +106,29 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
-    seed: int = 0
-    batch_size: int = 8  # per rank, padded
-    num_samples: int = 0  # samples per epoch; 0 = endless. The last global batch may be
-    # incomplete: it is padded per the batch spec (trailing ranks may hold no real sample).
-    seqlen_dist: str = "lognormal"  # uniform | normal | lognormal | zipf | pareto | fixed
-    seqlen_params: dict = field(default_factory=dict)  # e.g. {sigma: 1.5}
-    min_history: int = 1
-    max_history: int = 64  # item (+ action) events per sample
-    num_contextual: int = 2  # contextual tokens per sample
-    min_candidates: int = 1
-    max_candidates: int = 4
-    time_step: int = 60  # mean seconds between events (synthetic timestamps)
-    prefetch: int = 2  # batches read + validated ahead on a host thread (0: inline)
+    source: str = _opt("synthetic", "where samples come from: synthetic")
+    seed: int = _opt(0, "seed of the data (sample s is drawn from (seed, s))")
+    batch_size: int = _opt(8, "samples per rank and step (padded)")
+    num_samples: int = _opt(
+        0, "samples per epoch (0: endless); a short last global batch is padded"
+    )
+    seqlen_dist: str = _opt(
+        "lognormal", "history lengths: uniform | normal | lognormal | zipf | pareto | fixed"
+    )
+    seqlen_params: dict = _opt({}, "parameters of seqlen_dist, e.g. {sigma: 1.5}")
+    min_history: int = _opt(1, "fewest item (+ action) events per sample")
+    max_history: int = _opt(64, "most item (+ action) events per sample")
+    num_contextual: int = _opt(2, "contextual tokens per sample")
+    min_candidates: int = _opt(1, "fewest candidate tokens per sample")
+    max_candidates: int = _opt(4, "most candidate tokens per sample")
+    time_step: int = _opt(60, "mean seconds between events (synthetic timestamps)")
+    prefetch: int = _opt(2, "batches read, validated and measured ahead on a host thread")
 
     def validate(self) -> None:
         p = "data."
         _one_of(p + "source", self.source, ("synthetic",))
-        _check(self.batch_size > 0, p + "batch_size", self.batch_size, "must be > 0")
-        _check(self.num_samples >= 0, p + "num_samples", self.num_samples, "must be >= 0")
+        _positive(self, p, "batch_size")
+        _positive(self, p, "num_samples", "num_contextual", "prefetch", allow_zero=True)
         _check(
             0 <= self.min_history <= self.max_history,
             p + "min_history",
@@ -135,65 +141,69 @@ class DataConfig:
             self.min_candidates,
             f"must be in [0, max_candidates={self.max_candidates}]",
         )
-        _check(self.num_contextual >= 0, p + "num_contextual", self.num_contextual, "must be >= 0")
-        _check(self.prefetch >= 0, p + "prefetch", self.prefetch, "must be >= 0")
-        from hstu.data.distributions import DISTRIBUTIONS
+        _positive(self, p, "time_step", allow_zero=True)
+        from hstu.data.distributions import DISTRIBUTIONS, check_params
 
         _one_of(p + "seqlen_dist", self.seqlen_dist, tuple(DISTRIBUTIONS))
+        check_params(self.seqlen_dist, self.seqlen_params, p + "seqlen_params")
 
     @property
     def max_seqlen(self) -> int:
+        """Longest sample in tokens: contextual + item/action pairs + candidates."""
         return self.num_contextual + 2 * self.max_history + self.max_candidates
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-8
-    seed: int = 0  # parameter initialisation
-    log_every: int = 1
-    checkpoint_every: int = 0  # 0 disables
-    keep_checkpoints: int = 2
-    resume: bool = False
-    peak_tflops: float = 0.0  # for MFU; 0 -> detected from the device (CPU: MFU not reported)
+    steps: int = _opt(20, "optimizer steps of the run (a resumed run goes on to this count)")
+    lr: float = _opt(1e-3, "AdamW learning rate")
+    weight_decay: float = _opt(0.01, "AdamW decoupled weight decay")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.98, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW epsilon")
+    seed: int = _opt(0, "seed of the parameter initialisation and dropout")
+    log_every: int = _opt(1, "print a metrics line every N steps (every step goes to the files)")
+    checkpoint_every: int = _opt(
+        0, "save a checkpoint every N steps and at the last step (0: never)"
+    )
+    keep_checkpoints: int = _opt(2, "complete checkpoints kept (the newest)")
+    resume: bool = _opt(False, "continue from the newest checkpoint under output_dir")
+    peak_tflops: float = _opt(
+        0.0, "device peak for MFU (0: detected; unknown devices and CPUs report no MFU)"
+    )
+    tensorboard: bool = _opt(True, "also write the step metrics as TensorBoard scalars")
 
     def validate(self) -> None:
         p = "train."
-        _check(self.steps > 0, p + "steps", self.steps, "must be > 0")
-        _check(self.lr > 0, p + "lr", self.lr, "must be > 0")
-        _check(self.log_every > 0, p + "log_every", self.log_every, "must be > 0")
-        _check(
-            self.checkpoint_every >= 0,
-            p + "checkpoint_every",
-            self.checkpoint_every,
-            "must be >= 0",
-        )
-        _check(
-            self.keep_checkpoints > 0, p + "keep_checkpoints", self.keep_checkpoints, "must be > 0"
-        )
+        _positive(self, p, "steps", "lr", "log_every", "keep_checkpoints", "eps")
+        _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
 
 
 @dataclass
 class DistConfig:
-    world_size: int = 1  # data-parallel ranks; on CPU simulated (gloo processes / host devices)
-    device: str = "auto"  # auto | cpu | cuda | gpu
-    master_port: int = 0  # 0 -> a free port (torch, spawned ranks)
+    world_size: int = _opt(
+        1, "data-parallel ranks (CPU: gloo processes / host devices; torchrun decides its own)"
+    )
+    device: str = _opt("auto", "auto | cpu | cuda | gpu")
+    master_port: int = _opt(0, "torch rendezvous port of spawned ranks (0: a free port)")
 
     def validate(self) -> None:
-        _check(self.world_size > 0, "dist.world_size", self.world_size, "must be > 0")
+        _positive(self, "dist.", "world_size")
         _one_of("dist.device", self.device, ("auto", "cpu", "cuda", "gpu"))
+        _check(
+            0 <= self.master_port < 65536, "dist.master_port", self.master_port, "not a TCP port"
+        )
 
 
 @dataclass
 class BalanceConfig:
-    shuffler: str = "balanced"  # identity | balanced
-    exchange: str = "allgather"  # allgather | all2all
-    method: str = "auto"  # partition method: auto | kk | greedy
-    overlap: bool = True  # partition on a worker thread while the device runs the step
+    shuffler: str = _opt("balanced", "identity (no exchange) | balanced")
+    exchange: str = _opt("allgather", "how samples move: allgather | all2all")
+    method: str = _opt("auto", "partition method: auto | kk | greedy")
+    overlap: bool = _opt(True, "partition on a worker thread while the device runs the step")
 
     def validate(self) -> None:
         _one_of("balance.shuffler", self.shuffler, ("identity", "balanced"))
@@ -203,12 +213,14 @@ class BalanceConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    balance: BalanceConfig = field(default_factory=BalanceConfig)
-    output_dir: str = "runs/demo"
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the HSTU model"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "the samples"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "the optimisation"})
+    dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "ranks and devices"})
+    balance: BalanceConfig = field(
+        default_factory=BalanceConfig, metadata={"doc": "the balanced shuffler"}
+    )
+    output_dir: str = _opt("runs/demo", "where config.yaml, metrics and checkpoints go")
 
     def validate(self) -> Config:
         for sub in (self.model, self.data, self.train, self.dist, self.balance):
@@ -226,28 +238,29 @@ class Config:
         Path(path).write_text(self.to_yaml())
 
 
+# ------------------------------------------------------------------------------ loading
 def _coerce(value: Any, typ: Any, name: str) -> Any:
-    origin = getattr(typ, "__args__", None)
-    if typ is float or (origin and float in origin and value is not None):
+    args = getattr(typ, "__args__", None)
+    if args and type(None) in args:  # `float | None`: null keeps the default meaning
+        if value is None:
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typ is float:
+        if isinstance(value, str):  # YAML reads `1e-3` (no dot) as a string
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise HSTUError(f"config: {name} expects a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise HSTUError(f"config: {name} expects a number, got {value!r}")
+        if not math.isfinite(value):
+            raise HSTUError(f"config: {name}={value!r} is invalid: must be a finite number")
         return float(value)
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise HSTUError(f"config: {name} expects true/false, got {value!r}")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise HSTUError(f"config: {name} expects an integer, got {value!r}")
-        return value
-    if typ is str:
-        if not isinstance(value, str):
-            raise HSTUError(f"config: {name} expects a string, got {value!r}")
-        return value
-    if typ is dict:
-        if not isinstance(value, dict):
-            raise HSTUError(f"config: {name} expects a mapping, got {value!r}")
-        return value
+    expected = {bool: "true/false", int: "an integer", str: "a string", dict: "a mapping"}
+    if typ in expected:
+        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if not ok:
+            raise HSTUError(f"config: {name} expects {expected[typ]}, got {value!r}")
     return value
 
 
@@ -273,20 +286,52 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key:
         raise HSTUError(f"override {text!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise HSTUError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return key.split("."), value
+
+
+def recipe_names() -> list[str]:
+    """Names of the packaged recipes (`--config NAME`)."""
+    root = importlib.resources.files("hstu_recipes")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_recipe(spec: str | Path) -> Path:
+    """A config file path, or the packaged recipe named `spec` (`demo`, `gpu`, ...)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = str(spec)
+    if "/" not in name and not name.endswith((".yaml", ".yml")):
+        candidate = importlib.resources.files("hstu_recipes") / f"{name}.yaml"
+        if candidate.is_file():
+            return Path(str(candidate))
+        raise HSTUError(f"no recipe named {name!r}; packaged recipes: {recipe_names()}")
+    raise HSTUError(
+        f"config file {name!r} does not exist (packaged recipes, usable by name from any "
+        f"directory: {recipe_names()})"
+    )
+
+
+def read_recipe(spec: str | Path) -> dict:
+    path = resolve_recipe(spec)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise HSTUError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise HSTUError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults <- YAML recipe <- overrides, then validate."""
+    """Defaults <- YAML recipe (a path or a packaged recipe's name) <- overrides, validated."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise HSTUError(f"config file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise HSTUError(f"config file {str(p)!r} must hold a mapping at the top level")
-        _apply(cfg, data)
+        _apply(cfg, read_recipe(path))
     for text in overrides:
         parts, value = parse_override(text)
         nested: dict = value
@@ -304,3 +349,57 @@ def config_from_dict(data: dict) -> Config:
 
 def config_json(cfg: Config) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+# ------------------------------------------------------------------------------ describing
+@dataclass(frozen=True)
+class KeyInfo:
+    key: str
+    type: str
+    default: Any
+    value: Any
+    doc: str
+
+
+def _type_name(typ: Any) -> str:
+    args = getattr(typ, "__args__", None)
+    if args:
+        return " | ".join("null" if a is type(None) else a.__name__ for a in args)
+    return typ.__name__
+
+
+def describe(cfg: Config | None = None) -> list[KeyInfo]:
+    """Every leaf key of the tree: type, default, value in `cfg` (default: the defaults)."""
+    cfg = cfg or Config()
+    out: list[KeyInfo] = []
+
+    def walk(obj: Any, default: Any, prefix: str) -> None:
+        hints = get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            value, dflt = getattr(obj, f.name), getattr(default, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, dflt, f"{prefix}{f.name}.")
+            else:
+                doc = f.metadata.get("doc", "")
+                out.append(KeyInfo(prefix + f.name, _type_name(hints[f.name]), dflt, value, doc))
+
+    walk(cfg, Config(), "")
+    return out
+
+
+def format_keys(cfg: Config | None = None) -> str:
+    """The `hstu config show` table; a value that differs from its default is marked `*`."""
+    rows = describe(cfg)
+
+    def show(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, (dict, str)) or v is None else str(v)
+
+    width = max(len(r.key) for r in rows)
+    lines = [f"{'key':<{width}}  {'type':<12} {'value':<14} {'default':<14} description"]
+    for r in rows:
+        mark = "*" if r.value != r.default else " "
+        lines.append(
+            f"{r.key:<{width}}  {r.type:<12} {show(r.value):<13}{mark} "
+            f"{show(r.default):<14} {r.doc}"
+        )
+    return "\n".join(lines)

@@ -1,5 +1,9 @@
-"""One metrics path: a JSONL line per step, a stdout line per log step, a progress bar, a
-summary table at the end, and TensorBoard when a writer is installed."""
+"""One metrics path: a JSONL line per step, a stdout line per log step under a progress bar,
+TensorBoard scalars, and a summary table at the end.
+
+The TensorBoard writer uses the `tensorboard` package's event-file writer directly, so a JAX run
+never imports torch (`torch.utils.tensorboard` is only a wrapper around the same writer).
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The per-step fields every backend writes to metrics.jsonl (the CLI contract).
+# The per-step fields both backends write to metrics.jsonl (the CLI contract; a test holds
+# both backends to the same set of keys).
 STEP_FIELDS = (
     "step",
     "loss",
+    "grad_norm",
     "global_tokens",
+    "global_loss_tokens",
+    "global_samples",
+    "global_flops",
     "rank_workloads_before",
     "rank_workloads_after",
     "imbalance_before",
     "imbalance_after",
+    "tokens_max_before",
+    "tokens_max_after",
+    "token_capacity",
+    "padding_waste",
+    "num_compiles",
     "step_time_s",
     "tokens_per_s",
+    "tflops_per_device",
 )
 
 # Dense bf16 peak of the accelerators we report MFU against (TFLOP/s, no sparsity).
@@ -36,53 +51,76 @@ def peak_tflops(device_name: str, override: float = 0.0) -> float:
     return 0.0  # unknown (CPU): MFU is not reported
 
 
-class ProgressBar:
-    """A one-line bar on stderr when it is a terminal; silent otherwise (CI logs stay clean)."""
+class TensorBoardWriter:
+    """Scalars into a TensorBoard event file, with no deep-learning framework imported."""
 
-    def __init__(self, total: int, enabled: bool | None = None, stream=None):
-        self.total, self.stream = total, stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.t0 = time.perf_counter()
+    def __init__(self, log_dir: str | Path):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    def update(self, done: int, text: str = "") -> None:
-        if not self.enabled:
-            return
-        width = 30
-        filled = int(width * done / max(self.total, 1))
-        rate = done / max(time.perf_counter() - self.t0, 1e-9)
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {rate:.2f} it/s {text}"
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._writer = EventFileWriter(str(log_dir))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        summary = self._summary(
+            value=[self._summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
         )
-        self.stream.flush()
-        if done >= self.total:
-            self.stream.write("\n")
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class MetricsLogger:
+    """Process 0's metrics sink. A fresh run starts `metrics.jsonl` over; a resumed run keeps
+    the lines of the steps before `start_step` and drops those it is about to train again."""
+
     def __init__(
         self,
         output_dir: str | Path,
         total_steps: int,
         log_every: int = 1,
         peak: float = 0.0,
-        verbose: bool = True,
+        start_step: int = 0,
         tensorboard: bool = True,
+        progress: bool | None = None,
+        stream=None,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        kept = [r for r in read_rows(self.path) if r.get("step", -1) < start_step]
+        with self.path.open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
         self.file = self.path.open("a")
-        self.log_every, self.peak, self.verbose = log_every, peak, verbose
-        self.bar = ProgressBar(total_steps)
+        self.log_every, self.peak = log_every, peak
+        self.stream = stream or sys.stdout
         self.rows: list[dict] = []
-        self.tb = None
-        if tensorboard:
-            try:  # optional: only when the user installed a writer
-                from torch.utils.tensorboard import SummaryWriter
+        self.tb = TensorBoardWriter(self.dir / "tb") if tensorboard else None
+        from tqdm import tqdm
 
-                self.tb = SummaryWriter(str(self.dir / "tb"))
-            except Exception:  # noqa: BLE001 - any import/runtime failure just disables it
-                self.tb = None
+        enabled = sys.stderr.isatty() if progress is None else progress
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            disable=not enabled,
+            unit="step",
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    def print(self, text: str) -> None:
+        """A line that stays above the progress bar."""
+        self.bar.write(text, file=self.stream)
+        self.stream.flush()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self.peak:
@@ -91,14 +129,15 @@ class MetricsLogger:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
-        self.bar.update(step + 1, f"loss {metrics.get('loss', float('nan')):.4f}")
-        if self.verbose and (step % self.log_every == 0) and not self.bar.enabled:
-            print(format_step(metrics), flush=True)
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            self.tb.scalars(step, {k: v for k, v in scalars.items() if k != "step"})
+        self.bar.set_postfix_str(f"loss {metrics.get('loss', float('nan')):.4f}", refresh=False)
+        self.bar.update(1)
+        if step % self.log_every == 0:
+            self.print(format_step(metrics))
 
     def close(self) -> None:
+        self.bar.close()
         self.file.close()
         if self.tb is not None:
             self.tb.close()
@@ -115,26 +154,31 @@ def format_step(m: dict[str, Any]) -> str:
     ]
     if "mfu" in m:
         parts.append(f"{m['tflops_per_device']:.1f} TFLOP/s MFU {100 * m['mfu']:.1f}%")
+    if m.get("max_memory_gib") is not None:
+        parts.append(f"mem {m['max_memory_gib']:.1f} GiB")
     return " | ".join(parts)
 
 
 def _compiled(rows: list[dict], i: int) -> bool:
-    """Step i built a new program (the JAX backend logs its running count of shape buckets)."""
+    """Step i built a new program (a new JAX shape bucket, a new CUDA graph)."""
     return i > 0 and rows[i].get("num_compiles", 0) > rows[i - 1].get("num_compiles", 0)
 
 
+def timed_rows(rows: list[dict], skip_warmup: int = 1) -> list[dict]:
+    """The steps a median is taken over: after the first `skip_warmup`, without the steps that
+    built a new program. Falls back to what there is when too few steps remain."""
+    use = [r for i, r in enumerate(rows) if i >= skip_warmup and not _compiled(rows, i)]
+    return use or rows[skip_warmup:] or rows
+
+
 def summarize(rows: list[dict], skip_warmup: int = 1) -> dict[str, float]:
-    """Medians over the steps after warm-up: the first `skip_warmup` steps and every later step
-    that compiled a new program (a new shape bucket in the JAX backend) are left out; how many
-    steps remain is `steps_timed`."""
+    """Medians over `timed_rows`; how many steps that is is `steps_timed`."""
     if not rows:
         return {}
-    use = [r for i, r in enumerate(rows) if i >= skip_warmup and not _compiled(rows, i)]
-    if not use:  # too few steps to leave any out
-        use = rows[skip_warmup:] or rows
+    use = timed_rows(rows, skip_warmup)
 
     def med(key):
-        vals = [r[key] for r in use if key in r]
+        vals = [r[key] for r in use if r.get(key) is not None]
         return statistics.median(vals) if vals else float("nan")
 
     out = {
@@ -150,6 +194,8 @@ def summarize(rows: list[dict], skip_warmup: int = 1) -> dict[str, float]:
     }
     if any("mfu" in r for r in use):
         out["mfu"] = med("mfu")
+    if any(r.get("max_memory_gib") is not None for r in use):
+        out["max_memory_gib"] = max(r["max_memory_gib"] for r in use if r.get("max_memory_gib"))
     return out
 
 
@@ -166,6 +212,7 @@ def format_summary(summary: dict[str, float], title: str = "summary") -> str:
         "tokens_per_s": "tokens/s",
         "tflops_per_device": "TFLOP/s per device",
         "mfu": "MFU",
+        "max_memory_gib": "peak device memory (GiB)",
     }
     for key, label in labels.items():
         if key in summary:

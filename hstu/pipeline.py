@@ -12,7 +12,8 @@ thread, `HostPrefetcher`):
    the gathered stats before the forward, so no rank's gradient depends on where a sample
    landed);
 4. phase 2 of i+1: wait for the plan, exchange (allgather or all2all), padding last;
-5. optimizer step.
+5. optimizer step, dispatched; the metrics of step i-1 are fetched only now, so the host
+   never waits for the device between steps.
 
 Collective order is the same on every rank: stats gather (i+1), the backend's
 forward/backward collectives (i), exchange (i+1). Every rank computes the same plan from the
@@ -90,8 +91,13 @@ class Backend(Protocol):
     def forward_backward(self, device_batch: Any, global_loss_tokens: int) -> Any:
         """Dispatch forward + backward (+ gradient reduction); returns a handle."""
 
-    def optimizer_step(self, handle: Any) -> dict[str, float]:
-        """Apply the update; return host scalars (at least 'loss', the global mean loss)."""
+    def optimizer_step(self, handle: Any) -> Any:
+        """Dispatch the update; return the step's metrics as a handle, without waiting for
+        the device (the pipeline fetches them one step late)."""
+
+    def fetch_metrics(self, pending: Any) -> dict[str, float]:
+        """Host scalars of a dispatched step (at least 'loss', the global mean loss; static-
+        shape backends add 'token_capacity' and 'num_compiles'). Waits for that step only."""
 
 
 @dataclass
@@ -144,10 +150,11 @@ def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
     """Balance and token figures of one step, from the gathered stats and the plan."""
     stats, plan = prepared.stats, prepared.plan
     w = stats[:, STAT_WORKLOAD].astype(np.float64)
+    tokens = stats[:, STAT_TOKENS]
     before = w.reshape(world_size, -1).sum(axis=1)
     after = w[plan.indices].sum(axis=1)
     return {
-        "global_tokens": int(stats[:, STAT_TOKENS].sum()),
+        "global_tokens": int(tokens.sum()),
         "global_loss_tokens": int(stats[:, STAT_LOSS_TOKENS].sum()),
         "global_samples": int(stats[:, STAT_REAL].sum()),
         "global_flops": float(w.sum()),
@@ -155,6 +162,8 @@ def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
         "rank_workloads_after": after.tolist(),
         "imbalance_before": imbalance_of(before),
         "imbalance_after": imbalance_of(after),
+        "tokens_max_before": int(tokens.reshape(world_size, -1).sum(axis=1).max(initial=0)),
+        "tokens_max_after": int(tokens[plan.indices].sum(axis=1).max(initial=0)),
     }
 
 
@@ -231,10 +240,22 @@ def run(
     validate: bool = True,
     start_step: int = 0,
     prefetch: int = 2,
+    check: Callable[[JaggedBatch, int], None] | None = None,
+    after_dispatch: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
-    `batches` yields this process's per-rank batches per step. With `prefetch` > 0 the host
-    side of the next batches (read, validate, stats) runs that many batches ahead on a thread.
+    `batches` yields this process's per-rank batches per step.
+
+    Host side: with `prefetch` > 0 reading, `validate()`, `check(batch, rank)` (the model's
+    input checks) and the per-sample stats of the next batches run that many batches ahead on
+    a thread; all of it before any collective of that batch.
+
+    Metrics are fetched one step late: step i's are read after step i+1 is dispatched, so the
+    host never waits for the device between steps. `step_time_s` is therefore the interval
+    between consecutive steps' completions as seen by the host, i.e. the steady-state step
+    period (step 0's includes start-up). `after_dispatch(step)` runs right after a step's
+    update is dispatched and before the next step touches the state (checkpoints go there);
+    `on_step(step, metrics)` when its metrics arrive.
     """
     balancer = Balancer(backend, shuffler, method, overlap)
 
@@ -242,6 +263,8 @@ def run(
         if validate:  # before any collective: a bad batch fails here, on its own rank
             for r, b in zip(backend.local_ranks, host, strict=True):
                 b.validate(rank=r)
+                if check is not None:
+                    check(b, r)
         return host, sample_stats(host, cost, task)
 
     source = (
@@ -255,32 +278,47 @@ def run(
         dev = backend.to_device(host)
         return balancer.phase1(dev, local_stats)
 
-    history = []
+    history: list[dict] = []
+    last_done = time.perf_counter()
+
+    def emit(step: int, pending: Any, prepared: Prepared) -> None:
+        nonlocal last_done
+        out = backend.fetch_metrics(pending)
+        now = time.perf_counter()
+        elapsed, last_done = now - last_done, now
+        metrics = {"step": step, **out, **step_metrics(prepared, backend.world_size)}
+        metrics.setdefault("token_capacity", metrics["tokens_max_after"])
+        metrics.setdefault("num_compiles", 0)
+        tokens, w = metrics["global_tokens"], backend.world_size
+        metrics["padding_waste"] = w * metrics["token_capacity"] / tokens - 1 if tokens else 0.0
+        metrics["step_time_s"] = elapsed
+        metrics["tokens_per_s"] = tokens / elapsed if elapsed else 0.0
+        metrics["tflops_per_device"] = (
+            metrics["global_flops"] / elapsed / 1e12 / w if elapsed else 0.0
+        )
+        history.append(metrics)
+        if on_step:
+            on_step(step, metrics)
+
     try:
         current = balancer.phase2(*start(next(source)))
+        last_done = time.perf_counter()
+        pending = None
         for i in range(num_steps):
             step = start_step + i
-            t0 = time.perf_counter()
-            pending = start(next(source)) if i + 1 < num_steps else None
+            following = start(next(source)) if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
             handle = backend.forward_backward(current.device_batch, loss_tokens_)
-            following = balancer.phase2(*pending) if pending is not None else None
+            following = balancer.phase2(*following) if following is not None else None
             out = backend.optimizer_step(handle)
-            elapsed = time.perf_counter() - t0
-            metrics = {
-                "step": step,
-                **out,
-                **step_metrics(current, backend.world_size),
-                "step_time_s": elapsed,
-            }
-            metrics["tokens_per_s"] = metrics["global_tokens"] / elapsed if elapsed else 0.0
-            metrics["tflops_per_device"] = (
-                metrics["global_flops"] / elapsed / 1e12 / backend.world_size if elapsed else 0.0
-            )
-            history.append(metrics)
-            if on_step:
-                on_step(step, metrics)
+            if pending is not None:
+                emit(*pending)
+            if after_dispatch:
+                after_dispatch(step)
+            pending = (step, out, current)
             current = following
+        if pending is not None:
+            emit(*pending)
     finally:
         if isinstance(source, HostPrefetcher):
             source.close()

@@ -1,7 +1,12 @@
-"""Helpers for tests and parity checks (numpy only): build global batches with chosen padding."""
+"""Helpers for tests and parity checks (numpy only): build global batches with chosen padding,
+find out whether a GPU is there, and block the frameworks to prove the core needs none."""
 
 from __future__ import annotations
 
+import importlib.abc
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,3 +43,41 @@ def make_global_batch(
         sid += n
         out.append(from_samples(samples, batch_size, spec.jagged_keys))
     return out
+
+
+# What "a framework" means for the core tier: importing any of these is an error there.
+BACKEND_MODULES = (
+    "torch",
+    "torchrec",
+    "fbgemm_gpu",
+    "triton",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax",
+)
+
+
+class _BackendBlocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BACKEND_MODULES:
+            raise ModuleNotFoundError(
+                f"{name} is blocked: the core must import no framework (HSTU_BLOCK_BACKENDS)",
+                name=name,
+            )
+        return None
+
+
+def block_backends() -> None:
+    """Make every framework import fail in this process (idempotent)."""
+    loaded = [m for m in BACKEND_MODULES if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"cannot block frameworks that are already imported: {loaded}")
+    if not any(isinstance(f, _BackendBlocker) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BackendBlocker())
+
+
+def has_nvidia_gpu() -> bool:
+    """An NVIDIA GPU is there (decided without importing a framework)."""
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None

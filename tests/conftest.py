@@ -1,14 +1,21 @@
-"""Shared fixtures. GPU-marked tests skip on machines without CUDA, with that reason."""
+"""Shared fixtures. Imports neither torch nor jax, so the core tier (tests/core) runs with
+neither installed; `HSTU_BLOCK_BACKENDS=1` (what `make test-fast` sets) makes importing any
+framework an error, which proves it.
+
+GPU-marked tests skip on machines without an NVIDIA device, with that reason; there, the
+Triton kernels run in the interpreter (the flag must be set before triton is first imported).
+"""
 
 from __future__ import annotations
 
 import os
 
-import torch
+from hstu.testing import block_backends, has_nvidia_gpu
 
-# Without a GPU the Triton kernels run in the interpreter. The flag must be set before triton is
-# first imported, and torchrec / torch._dynamo import it early, so it is set here, first.
-if not torch.cuda.is_available():
+if os.environ.get("HSTU_BLOCK_BACKENDS"):
+    block_backends()
+
+if not has_nvidia_gpu():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
@@ -19,7 +26,7 @@ from hstu.testing import DEMO_CONFIG  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if has_nvidia_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
     for item in items:

@@ -1,10 +1,22 @@
 """Data: sequence-length distributions and the seeded synthetic HSTU dataset."""
 
 from hstu.data.distributions import DISTRIBUTIONS, sample_lengths
-from hstu.data.synthetic import SampleSpec, SyntheticDataset, dataset_from_config, make_sample
+from hstu.data.loader import DataLoader, batch_ranges
+from hstu.data.synthetic import (
+    SampleSpec,
+    SyntheticDataset,
+    SyntheticSamples,
+    dataset_from_config,
+    make_sample,
+    source_from_config,
+)
 
 __all__ = [
     "DISTRIBUTIONS",
+    "DataLoader",
+    "SyntheticSamples",
+    "batch_ranges",
+    "source_from_config",
     "SampleSpec",
     "SyntheticDataset",
     "dataset_from_config",

@@ -6,7 +6,9 @@ a seed fixes the draw on every machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import math
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -56,6 +58,35 @@ DISTRIBUTIONS: dict[str, Callable[..., np.ndarray]] = {
     "pareto": pareto,
     "fixed": fixed,
 }
+
+
+def accepted_params(name: str) -> tuple[str, ...]:
+    """The keyword parameters distribution `name` takes (read off its signature)."""
+    sig = inspect.signature(DISTRIBUTIONS[name])
+    return tuple(
+        p.name for p in list(sig.parameters.values())[4:] if p.kind is p.POSITIONAL_OR_KEYWORD
+    )
+
+
+# Parameters that must be strictly positive where given (scale and shape parameters).
+_POSITIVE = {"std", "sigma", "median", "a", "alpha"}
+
+
+def check_params(name: str, params: Mapping, where: str = "seqlen_params") -> None:
+    """Unknown keys and non-numeric or out-of-range values are errors naming the key."""
+    if not isinstance(params, Mapping):
+        raise HSTUError(f"config: {where} must be a mapping, got {params!r}")
+    accepted = accepted_params(name)
+    for key, value in params.items():
+        if key not in accepted:
+            raise HSTUError(
+                f"config: unknown key '{where}.{key}' for seqlen_dist={name} "
+                f"(accepted: {list(accepted) or 'none'}; {where} must match the distribution)"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HSTUError(f"config: {where}.{key} expects a number, got {value!r}")
+        if not math.isfinite(value) or (key in _POSITIVE and value <= 0):
+            raise HSTUError(f"config: {where}.{key}={value!r} is invalid: must be finite and > 0")
 
 
 def sample_lengths(

@@ -99,8 +99,24 @@ def make_sample(spec: SampleSpec, sample_id: int) -> dict[str, np.ndarray]:
     return sample
 
 
+class SyntheticSamples:
+    """The synthetic sample stream as a `hstu.data.loader.SampleSource`: global index `i`
+    is sample `i % num_samples` (every epoch replays the same samples), or `i` when endless."""
+
+    def __init__(self, spec: SampleSpec, num_samples: int = 0):
+        self.spec, self.num_samples = spec, num_samples
+
+    @property
+    def jagged_keys(self) -> tuple[str, ...]:
+        return self.spec.jagged_keys
+
+    def sample(self, index: int) -> dict[str, np.ndarray]:
+        return make_sample(self.spec, index % self.num_samples if self.num_samples else index)
+
+
 class SyntheticDataset:
-    """Per-rank iterator of padded JaggedBatches; `state_dict` makes it resumable."""
+    """Per-rank iterator of padded JaggedBatches by global batch index (tests and examples;
+    training reads through `hstu.data.loader.DataLoader`, by sample position)."""
 
     def __init__(
         self, spec: SampleSpec, batch_size: int, world_size: int, rank: int, num_samples: int = 0
@@ -149,6 +165,11 @@ class SyntheticDataset:
 
     def load_state_dict(self, state: dict) -> None:
         self.next_batch = int(state["next_batch"])
+
+
+def source_from_config(cfg) -> SyntheticSamples:
+    """The sample source of `cfg.data`."""
+    return SyntheticSamples(SampleSpec.from_config(cfg), cfg.data.num_samples)
 
 
 def dataset_from_config(cfg, world_size: int, rank: int) -> SyntheticDataset:

@@ -7,8 +7,10 @@ The pieces are a library (see examples/jax_custom_loop.py):
 * `shuffler`     JaxShuffler: placement, stats gather and exchange for the core Balancer
 * `model`        HSTUModel (Flax linen), params_to_flax / flax_to_params
 * `attention`    reference (jnp) / kernel (Pallas) switch
-* `train_step`   make_train_step, JaxBackend (core pipeline Backend), train(cfg)
-* `checkpoint`   Orbax Checkpointer (`step-N`, keep-latest-k)
+* `state`        TrainState, the optimizer, init_state
+* `train_step`   make_train_step, JaxBackend (the core trainer's Backend), train(cfg)
+* `checkpoint`   Orbax Checkpointer (`step-N`, keep-latest-k), TrainCheckpointer
+* `convert`      this backend's half of `hstu convert`
 
 Importing this package imports nothing heavy; import the submodules you need.
 """

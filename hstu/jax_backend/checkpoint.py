@@ -1,29 +1,26 @@
 """Orbax checkpoints of a JAX training run: `step-N` folders, keep-latest-k.
 
 A checkpoint holds the train state (params, optimizer state, step counter, RNG key) and the
-data iterator state (the index of the next global batch, JSON). Restoring needs an abstract
-state (shapes, dtypes, shardings) to place the arrays back on the mesh.
+data state (the data position, JSON). Restoring needs an abstract state (shapes, dtypes,
+shardings) to place the arrays back on the mesh.
 
-`read_portable` / `write_portable` are this backend's half of `hstu convert` (hstu/checkpoint.py):
-an Orbax `step-N` folder or a Flax params file (`*.msgpack`) to / from the core-named portable
-state, on one device.
+`Checkpointer` stores any state pytree; `TrainCheckpointer` is this backend's
+`hstu.trainer.Checkpointer`, bound to the live train state of a `JaxBackend`. Converting
+checkpoints between backends is `convert.py`'s business.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from hstu import checkpoint as core
 from hstu.errors import HSTUError
 
 _Metadata = ocp.path.step.Metadata
@@ -117,97 +114,46 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
 
 
-# ------------------------------------------------------------------ portable state (convert)
 def complete_steps(root: str | Path) -> list[int]:
     return [m.step for m in DashNameFormat().find_all(root)]
 
 
-def _fresh_state(cfg):
-    """A replicated TrainState of `cfg` on one device: the restore target and the optimizer
-    state's structure."""
-    from hstu.jax_backend import collectives as col
-    from hstu.jax_backend.train_step import init_state, make_optimizer
-    from hstu.params import init_params
+class TrainCheckpointer:
+    """`hstu.trainer.Checkpointer` of a live train state: `get_state()` returns the state
+    pytree (a dict) to save, `set_state(tree)` installs a restored one."""
 
-    mesh = col.make_mesh(jax.devices()[:1])
-    optimizer = make_optimizer(cfg.train)
-    return init_state(init_params(cfg.model, cfg.train.seed), optimizer, mesh, cfg.train.seed)
+    def __init__(
+        self,
+        output_dir: str | Path,
+        keep: int,
+        get_state: Callable[[], Any],
+        set_state: Callable[[Any], None],
+    ):
+        self.directory = (Path(output_dir) / "checkpoints").absolute()
+        self.keep, self.get_state, self.set_state = keep, get_state, set_state
+        self._ckpt: Checkpointer | None = None
 
+    @property
+    def _manager(self) -> Checkpointer:
+        if self._ckpt is None:  # created on first use: a run that never saves makes no folder
+            self._ckpt = Checkpointer(self.directory, self.keep)
+        return self._ckpt
 
-def _host(tree) -> dict[str, np.ndarray]:
-    from hstu.jax_backend.model import flax_to_params
+    def latest_step(self) -> int | None:
+        steps = complete_steps(self.directory)
+        return steps[-1] if steps else None
 
-    return {k: np.array(v) for k, v in flax_to_params(tree).items()}  # owned, writable
+    def save(self, step: int, data_state: dict) -> Path:
+        self._manager.save(step, self.get_state(), dict(data_state))
+        return self.directory / f"step-{step}"
 
+    def restore(self) -> tuple[int, dict] | None:
+        if self.latest_step() is None:
+            return None
+        tree, data, step = self._manager.restore(abstract_like(self.get_state()))
+        self.set_state(tree)
+        return step, data
 
-def _adam_fields(opt_state) -> tuple[Any, Any, Any]:
-    import optax
-
-    return tuple(optax.tree_utils.tree_get(opt_state, k) for k in ("count", "mu", "nu"))
-
-
-def read_portable(path: Path, cfg) -> core.PortableState:
-    """A Flax params file or an Orbax `step-N` folder (the newest finished one under a run or
-    checkpoints directory) as a core-named portable state."""
-    from flax import serialization
-
-    path = Path(path)
-    if core.is_params_file(path):
-        if not path.is_file():
-            raise HSTUError(f"checkpoint source {str(path)!r} does not exist")
-        tree = serialization.msgpack_restore(path.read_bytes())
-        return core.PortableState(0, _host(tree.get("params", tree)), source=str(path))
-    folder = core.source_step_dir(path, complete_steps)
-    step = core.step_of(folder)
-    ckpt = Checkpointer(folder.parent)
-    try:
-        restored, data, _ = ckpt.restore(abstract_like(_fresh_state(cfg).as_dict()), step)
-    finally:
-        ckpt.close()
-    count, mu, nu = _adam_fields(restored["opt_state"])
-    adam = core.AdamState(int(count), _host(mu), _host(nu))
-    return core.PortableState(
-        step,
-        _host(restored["params"]),
-        adam,
-        {"next_batch": int(data["next_batch"])},
-        str(folder),
-    )
-
-
-def write_portable(state: core.PortableState, path: Path, cfg) -> Path:
-    """Write `state` as a Flax params file (`*.msgpack`) or as an Orbax `step-N` folder that
-    `train.resume=true` picks up; the RNG key is the run's `PRNGKey(train.seed)`, as in a fresh
-    run (the JAX backend derives every step's key from it and the step counter)."""
-    import optax
-    from flax import serialization
-
-    from hstu.jax_backend.model import params_to_flax
-    from hstu.jax_backend.train_step import TrainState
-
-    path = Path(path)
-    if core.is_params_file(path):
-        tree = jax.tree.map(np.asarray, params_to_flax(state.params))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(serialization.msgpack_serialize({"params": tree}))
-        return path
-    folder = core.dest_step_dir(path, state.step)
-    if folder.exists():
-        raise HSTUError(f"{folder} exists already; refusing to overwrite a checkpoint")
-    assert state.adam is not None and state.data is not None  # checked by hstu.checkpoint
-    fresh = _fresh_state(cfg)
-    opt_state = optax.tree_utils.tree_set(
-        fresh.opt_state,
-        count=jnp.asarray(state.adam.count, jnp.int32),
-        mu=params_to_flax(state.adam.mu),
-        nu=params_to_flax(state.adam.nu),
-    )
-    train_state = TrainState(
-        params_to_flax(state.params), opt_state, jnp.asarray(state.step, jnp.int32), fresh.rng
-    )
-    ckpt = Checkpointer(folder.parent, cfg.train.keep_checkpoints)
-    try:
-        ckpt.save(state.step, train_state.as_dict(), {"next_batch": int(state.data["next_batch"])})
-    finally:
-        ckpt.close()
-    return folder
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()

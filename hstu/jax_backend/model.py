@@ -72,7 +72,16 @@ def token_layout(batch: DeviceBatch) -> dict[str, jax.Array]:
 
 
 def _take(values: jax.Array, idx: jax.Array) -> jax.Array:
+    """Read a packed value buffer at token-slot positions; slots past the real values (capacity
+    padding) read some in-buffer entry and are masked by the caller."""
     return jnp.take(values, jnp.clip(idx, 0, values.shape[0] - 1))
+
+
+def _lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Embedding rows of `ids`. Ids are checked on the host before any collective
+    (`hstu.batch.check_model_inputs`); one that slips past (a caller skipping the check)
+    reads NaN rows, so the loss says so, instead of a clamped, silently wrong row."""
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class Embeddings(nn.Module):
@@ -93,9 +102,9 @@ class Embeddings(nn.Module):
             hist, _take(v["item"], lay["item_idx"]), _take(v["candidate"], lay["cand_idx"])
         )
         ctx_vals = v.get("contextual", jnp.zeros((1,), jnp.int32))
-        e_item = jnp.take(self.item, item_id, axis=0, mode="clip")
-        e_act = jnp.take(self.action, _take(v["action"], lay["item_idx"]), axis=0, mode="clip")
-        e_ctx = jnp.take(self.contextual, _take(ctx_vals, lay["ctx_idx"]), axis=0, mode="clip")
+        e_item = _lookup(self.item, item_id)
+        e_act = _lookup(self.action, _take(v["action"], lay["item_idx"]))
+        e_ctx = _lookup(self.contextual, _take(ctx_vals, lay["ctx_idx"]))
         x = jnp.where(lay["is_action"][:, None], e_act, e_item)
         x = jnp.where(lay["is_ctx"][:, None], e_ctx, x)
         x = jnp.where((hist | cand | lay["is_ctx"])[:, None], x, 0.0)
@@ -224,7 +233,7 @@ class HSTUModel(nn.Module):
         )  # [E, R]
         table = self.embedding.item
         cand = jnp.concatenate([pos_id[:, None], neg_id], axis=1)  # [E, 1 + R]
-        emb = _normalize(jnp.take(table, cand, axis=0, mode="clip"))
+        emb = _normalize(_lookup(table, cand))
         logits = jnp.einsum("ed,erd->er", query, emb) / self.cfg.retrieval_temperature
         dup = jnp.concatenate(
             [jnp.zeros_like(pos_id[:, None], bool), neg_id == pos_id[:, None]], axis=1

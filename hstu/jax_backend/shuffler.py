@@ -9,7 +9,7 @@ Capacities: a batch's value buffers are sized when its shape is known to every p
 right after the stats gather (the gathered stats carry every sample's per-key lengths), so the
 copy is issued then, still before the previous step's forward. The exchange output is sized
 from the plan (the post-shuffle per-rank sums); balancing lowers the largest rank's token count,
-hence the capacity every rank pads to: `capacity_before` / `capacity_after` report it.
+hence the capacity every rank pads to (`Placed.token_capacity`, the metric `token_capacity`).
 """
 
 from __future__ import annotations
@@ -37,23 +37,16 @@ MAX_EXACT_TOKENS = 46_340
 
 @dataclass
 class Placed:
-    """A batch on its way to (or on) the devices, with its capacity figures."""
+    """A batch on its way to (or on) the devices."""
 
     host: list[JaggedBatch] | None  # until the global shape is known
     batch: jb.DeviceBatch | None = None
     lengths: dict[str, np.ndarray] = field(default_factory=dict)  # per key [W * B], global
-    tokens_before: int = 0  # largest per-rank token count as loaded
-    capacity_before: int = 0  # token capacity (bucketed) as loaded
-    tokens_after: int = 0
-    capacity_after: int = 0
 
-    def metrics(self) -> dict[str, int]:
-        return {
-            "tokens_max_before": self.tokens_before,
-            "tokens_max_after": self.tokens_after,
-            "capacity_before": self.capacity_before,
-            "capacity_after": self.capacity_after,
-        }
+    @property
+    def token_capacity(self) -> int:
+        """Token slots per rank of the device batch (the model's T): what a step computes."""
+        return self.batch.spec.token_capacity
 
 
 def _rank_lengths(lengths: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -172,10 +165,6 @@ class JaxShuffler:
         spec = jb.spec_for(placed.host[0], rank_lengths)
         placed.batch = jb.to_device(placed.host, self.sharding, spec)
         placed.lengths, placed.host = lengths, None
-        placed.tokens_before = placed.tokens_after = int(
-            jb.token_counts(rank_lengths).sum(axis=1).max(initial=0)
-        )
-        placed.capacity_before = placed.capacity_after = spec.token_capacity
 
     def ensure(self, placed: Placed) -> Placed:
         """Materialise a batch that skipped the stats gather (single process only)."""
@@ -199,15 +188,7 @@ class JaxShuffler:
         local = {k: col.put_local(self.mesh, v[self.local_ranks]) for k, v in tables.items()}
         out = col.exchange_fn(self.mesh, xspec)(placed.batch, local)
         after = _rank_lengths(placed.lengths, plan.indices)
-        return Placed(
-            None,
-            out,
-            {k: v.reshape(-1) for k, v in after.items()},
-            placed.tokens_before,
-            placed.capacity_before,
-            int(jb.token_counts(after).sum(axis=1).max(initial=0)),
-            xspec.spec_out.token_capacity,
-        )
+        return Placed(None, out, {k: v.reshape(-1) for k, v in after.items()})
 
     def shuffle(
         self,

@@ -12,7 +12,6 @@ the data axis, (2) the data-parallel step over the same axis, params replicated.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -20,61 +19,29 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from hstu.config import TrainConfig
 from hstu.errors import HSTUError
 from hstu.jax_backend import collectives as col
 from hstu.jax_backend.batch import DeviceBatch, local_view
-from hstu.jax_backend.model import HSTUModel, params_to_flax
+from hstu.jax_backend.model import HSTUModel
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
+from hstu.jax_backend.state import TrainState, init_state, make_optimizer
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    params: Any
-    opt_state: Any
-    step: jax.Array  # int32 scalar: optimizer steps taken
-    rng: jax.Array  # uint32 [2]: base key; dropout uses fold_in(rng, step, rank)
-
-    def as_dict(self) -> dict:
-        return {
-            "params": self.params,
-            "opt_state": self.opt_state,
-            "step": self.step,
-            "rng": self.rng,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainState:
-        return cls(d["params"], d["opt_state"], d["step"], d["rng"])
-
-
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on every parameter, decoupled weight decay (== torch.optim.AdamW)."""
-    return optax.adamw(tc.lr, b1=tc.beta1, b2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay)
-
-
-def init_state(
-    params: dict[str, np.ndarray],
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    seed: int = 0,
-) -> TrainState:
-    """Replicated state from core-layout params (`hstu.params.init_params`)."""
-    tree = params_to_flax(params)
-    state = TrainState(
-        tree, optimizer.init(tree), jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed)
-    )
-    return jax.device_put(state, NamedSharding(mesh, P()))
+__all__ = [
+    "JaxBackend",
+    "TrainState",
+    "init_state",
+    "make_loss_fn",
+    "make_optimizer",
+    "make_train_step",
+    "train",
+]
 
 
 def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
@@ -118,18 +85,23 @@ def make_train_step(
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
 class JaxBackend:
-    """`hstu.pipeline.Backend` over a mesh: the shuffler's data half plus the fused step."""
+    """The core trainer's Backend over a mesh: the shuffler's data half plus the fused step."""
 
     def __init__(self, shuffler: JaxShuffler, step_fn: Callable, state: TrainState):
         self.shuffler, self.step_fn, self.state = shuffler, step_fn, state
         self.world_size, self.local_ranks = shuffler.world_size, shuffler.local_ranks
+        self.is_main = jax.process_index() == 0
+        me = jax.process_index()
+        self._devices = [d for d in shuffler.mesh.devices.flat if d.process_index == me]
+        first = shuffler.mesh.devices.flat[0]
+        self.device_name = first.device_kind if first.platform != "cpu" else "cpu"
 
     def to_device(self, batches):
         return self.shuffler.to_device(batches)
@@ -148,12 +120,23 @@ class JaxBackend:
         self.state, metrics = self.step_fn(self.state, placed.batch, np.float32(global_loss_tokens))
         return metrics, placed
 
-    def optimizer_step(self, handle) -> dict[str, float]:
-        metrics, placed = handle
+    def optimizer_step(self, handle):
+        metrics, placed = handle  # the update was dispatched with the step: start the copies
+        for value in metrics.values():
+            value.copy_to_host_async()
+        return metrics, placed.token_capacity, self.shuffler.num_compiles
+
+    def fetch_metrics(self, pending) -> dict[str, float]:
+        metrics, capacity, num_compiles = pending
         # Replicated scalars; read this process's copy (multi-process arrays are not fully
         # addressable, so no device_get of the global value).
         out = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
-        return out | placed.metrics() | {"num_compiles": self.shuffler.num_compiles}
+        return out | {"token_capacity": capacity, "num_compiles": num_compiles}
+
+    def memory_gib(self) -> float | None:
+        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._devices]
+        peaks = [p for p in peaks if p is not None]
+        return max(peaks) / 2**30 if peaks else None
 
 
 # ------------------------------------------------------------------------------ devices
@@ -219,98 +202,50 @@ def train_in_subprocess(cfg) -> list[dict]:
         return json.loads(rows_path.read_text())
 
 
-def train(cfg, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+def train(cfg, source=None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """Train `cfg` (see hstu.config); per-step metrics on process 0, [] elsewhere.
+    `source`: the samples (a `hstu.data.loader.SampleSource`; default: `cfg.data`'s).
 
     Sets up the devices first (CPU: `dist.world_size` host devices, which must happen before
     JAX initialises; if it already has, with too few, the run moves to a fresh process).
     """
     devices = select_devices(cfg.dist.world_size, cfg.dist.device)
     if devices is None:
-        if on_step is not None:
+        if on_step is not None or source is not None:
             raise HSTUError(
                 f"JAX is already initialised with fewer than "
                 f"dist.world_size={cfg.dist.world_size} CPU devices; start a fresh "
                 "process (or set XLA_FLAGS=--xla_force_host_platform_device_count)"
             )
         return train_in_subprocess(cfg)
-    return run_training(cfg, devices, on_step)
+    return run_training(cfg, devices, on_step, source)
 
 
-def run_training(cfg, devices: list[jax.Device], on_step=None) -> list[dict]:
-    """The core pipeline over `devices`, with checkpoints, resume and the metrics logger."""
-    from hstu.data.synthetic import dataset_from_config
-    from hstu.jax_backend.checkpoint import Checkpointer, abstract_like
+def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> list[dict]:
+    """The core trainer over `devices`: this backend's step, shuffler and checkpointer."""
+    from hstu import trainer
+    from hstu.data import source_from_config
+    from hstu.jax_backend.checkpoint import TrainCheckpointer
     from hstu.jax_backend.model import build_model
-    from hstu.metrics import MetricsLogger, peak_tflops
     from hstu.params import init_params
-    from hstu.pipeline import run
-    from hstu.workload import HSTUCost
 
-    tc, out_dir = cfg.train, Path(cfg.output_dir)
+    tc = cfg.train
     mesh = col.make_mesh(devices)
-    main = jax.process_index() == 0
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=devices[0].platform == "cpu")
     optimizer = make_optimizer(tc)
     state = init_state(init_params(cfg.model, tc.seed), optimizer, mesh, tc.seed)
-    start = first_batch = 0
-    ckpt = (
-        Checkpointer(out_dir / "checkpoints", tc.keep_checkpoints)
-        if tc.checkpoint_every or tc.resume
-        else None
-    )
-    if tc.resume and ckpt.latest_step() is not None:
-        restored, data_state, start = ckpt.restore(abstract_like(state.as_dict()))
-        state, first_batch = TrainState.from_dict(restored), int(data_state["next_batch"])
-        if main:
-            print(f"resumed from {ckpt.directory}/step-{start}", flush=True)
-    if main:
-        cfg.save(out_dir / "config.yaml")
-    if start >= tc.steps:
-        return []
-    dataset = dataset_from_config(cfg, cfg.dist.world_size, 0)
     backend = JaxBackend(
         JaxShuffler(mesh, cfg.balance.exchange), make_train_step(model, optimizer, mesh), state
     )
-    peak = peak_tflops(devices[0].device_kind, tc.peak_tflops)
-    logger = MetricsLogger(out_dir, tc.steps, tc.log_every, peak) if main else None
 
-    def batches():
-        t = first_batch
-        while True:
-            yield [dataset.batch(t, r) for r in backend.local_ranks]
-            t += 1
+    def set_state(tree: dict) -> None:
+        backend.state = TrainState.from_dict(tree)
 
-    def hook(step: int, metrics: dict) -> None:
-        if logger:
-            logger.log(step, metrics)
-        if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
-            ckpt.save(
-                step + 1, backend.state.as_dict(), {"next_batch": first_batch + step - start + 1}
-            )
-        if on_step:
-            on_step(step, metrics)
-
-    try:
-        rows = run(
-            backend,
-            batches(),
-            tc.steps - start,
-            HSTUCost.from_model_config(cfg.model),
-            cfg.model.task,
-            cfg.balance.shuffler,
-            cfg.balance.method,
-            cfg.balance.overlap,
-            on_step=hook,
-            start_step=start,
-            prefetch=cfg.data.prefetch,
-        )
-    finally:
-        if ckpt:
-            ckpt.close()
-        if logger:
-            logger.close()
-    return rows if main else []
+    checkpointer = TrainCheckpointer(
+        cfg.output_dir, tc.keep_checkpoints, lambda: backend.state.as_dict(), set_state
+    )
+    source = source if source is not None else source_from_config(cfg)
+    return trainer.train(cfg, backend, checkpointer, source, "jax", on_step)
 
 
 if __name__ == "__main__":  # re-exec entry point of train_in_subprocess

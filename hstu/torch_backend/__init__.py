@@ -2,8 +2,9 @@
 
 Files mirror `hstu/jax_backend/`: batch.py (JaggedBatch <-> KeyedJaggedTensor),
 collectives.py (stats gather, fused allgather, all2all), shuffler.py (device side of the
-pipeline's Backend), model.py, attention.py (reference | kernel switch), train_step.py
-(`train(cfg)`, the Backend, launching), checkpoint.py (torch.distributed.checkpoint).
+pipeline's Backend), model.py, attention.py (reference | kernel switch), state.py (optimizer,
+RNG streams), train_step.py (`train(cfg)`, the trainer's Backend, launching), checkpoint.py
+(training checkpoints through torch.distributed.checkpoint), convert.py (`hstu convert`).
 """
 
 from hstu.torch_backend.batch import TorchBatch, to_jagged, to_torch

@@ -15,7 +15,6 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from hstu.batch import HSTU_JAGGED_KEYS, JaggedBatch
 from hstu.errors import HSTUError
 from hstu.params import param_shapes
 from hstu.torch_backend.attention import get_attention
@@ -247,40 +246,3 @@ class HSTUModel(nn.Module):
             hit = rank < TOP_K
             ndcg = torch.where(hit, 1.0 / torch.log2(rank.to(z.dtype) + 2.0), 0.0)
         return loss, {f"hr@{TOP_K}": hit.to(z.dtype).sum(), f"ndcg@{TOP_K}": ndcg.sum()}
-
-
-def check_batch(batch: JaggedBatch, cfg, rank: int | None = None) -> None:
-    """Model-specific host checks (ids inside their tables, retrieval negatives), run before
-    any collective: an out-of-range id would otherwise fail inside a CUDA kernel mid-step."""
-    where = f" on rank {rank}" if rank is not None else ""
-    needed = HSTU_JAGGED_KEYS + (("negative",) if cfg.task == "retrieval" else ())
-    missing = [k for k in needed if k not in batch.lengths]
-    if missing:
-        raise HSTUError(f"invalid batch{where}: the {cfg.task} model needs jagged keys {missing}")
-    limits = {
-        "contextual": cfg.num_contextual_ids,
-        "item": cfg.num_items,
-        "candidate": cfg.num_items,
-        "action": cfg.num_actions,
-        "label": 2**cfg.num_tasks,
-        "negative": cfg.num_items,
-    }
-    for key, limit in limits.items():
-        if key not in batch.values or key not in needed:
-            continue
-        ids = np.asarray(batch.values[key])
-        bad = np.flatnonzero((ids < 0) | (ids >= limit))
-        if bad.size:
-            raise HSTUError(
-                f"invalid batch{where}: values['{key}'] must lie in [0, {limit}); "
-                f"positions {bad[:5].tolist()} hold {ids[bad[:5]].tolist()}"
-            )
-    if cfg.task == "retrieval":
-        want = np.maximum(batch.lengths["item"] - 1, 0) * cfg.num_negatives
-        bad = np.flatnonzero(batch.lengths["negative"] != want)
-        if bad.size:
-            raise HSTUError(
-                f"invalid batch{where}: lengths['negative'] must be "
-                f"(len(item) - 1) * num_negatives={cfg.num_negatives}; samples "
-                f"{bad[:5].tolist()} have {batch.lengths['negative'][bad[:5]].tolist()}"
-            )

@@ -76,12 +76,11 @@ class TorchShuffler:
         batch_size: int,
         exchange: str = "allgather",
         group=None,
-        check: Callable[[JaggedBatch, int], None] | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         self.local_ranks: Sequence[int] = [rank]
         self.device = torch.device(device)
-        self.batch_size, self.group, self.check = batch_size, group, check
+        self.batch_size, self.group = batch_size, group
         self.exchange_name = exchange
         self._exchange = get_exchange(exchange)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -94,7 +93,7 @@ class TorchShuffler:
 
     def _validate(self, batch: JaggedBatch) -> None:
         """What would make the collectives mismatch across ranks; checked before any of them.
-        (The pipeline has already run `batch.validate()`.)"""
+        (The pipeline has already run `batch.validate()` and the model's input checks.)"""
         where = f"invalid batch on rank {self.rank}"
         if batch.batch_size != self.batch_size:
             raise HSTUError(
@@ -106,8 +105,6 @@ class TorchShuffler:
             self._keys = keys
         elif keys != self._keys:
             raise HSTUError(f"{where}: keys {keys} differ from the first batch's {self._keys}")
-        if self.check is not None:
-            self.check(batch, self.rank)
 
     # ------------------------------------------------------------------ Backend protocol
     def to_device(self, batches: Sequence[JaggedBatch]) -> TorchBatch:

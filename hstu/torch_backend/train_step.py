@@ -1,8 +1,9 @@
-"""`train(cfg)`: the torch backend's entry point, and its Backend for `hstu.pipeline.run`.
+"""`train(cfg)`: the torch backend's entry point, and its Backend for the core trainer.
 
 Launch: under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) every process runs
 its rank directly; otherwise `train` starts `dist.world_size` processes itself (gloo on CPU,
-NCCL with one GPU per rank), or runs in-process when the world is one rank.
+NCCL with one GPU per rank), or runs in-process when the world is one rank. Each rank then runs
+the core loop, `hstu.trainer.train` (resume, checkpoints, metrics, the pipeline).
 
 Data parallelism is applied here, in this order: every rank holds the full model (replicated,
 same init); the shuffle moves samples between ranks (shuffler.py); the loss of each rank is its
@@ -25,39 +26,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hstu import pipeline
+from hstu import trainer
 from hstu.config import config_from_dict
-from hstu.data import dataset_from_config
+from hstu.data import source_from_config
 from hstu.errors import HSTUError
-from hstu.metrics import MetricsLogger, peak_tflops
 from hstu.params import init_params
-from hstu.torch_backend import checkpoint
-from hstu.torch_backend.model import HSTUModel, check_batch
+from hstu.torch_backend.checkpoint import TrainCheckpointer
+from hstu.torch_backend.model import HSTUModel
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
-from hstu.workload import HSTUCost
-
-
-def make_optimizer(params, tc) -> torch.optim.AdamW:
-    """AdamW on every parameter, decoupled weight decay (== optax.adamw of the JAX backend)."""
-    return torch.optim.AdamW(
-        params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay
-    )
+from hstu.torch_backend.state import make_optimizer, rank_seed
 
 
 class TorchBackend(TorchShuffler):
-    """The Backend protocol of `hstu.pipeline` for one data-parallel rank."""
+    """The core trainer's Backend for one data-parallel rank."""
 
     def __init__(self, cfg, rank: int, world_size: int, device: torch.device | str, group=None):
-        super().__init__(
-            rank,
-            world_size,
-            device,
-            cfg.data.batch_size,
-            cfg.balance.exchange,
-            group,
-            check=lambda batch, r: check_batch(batch, cfg.model, r),
-        )
+        super().__init__(rank, world_size, device, cfg.data.batch_size, cfg.balance.exchange, group)
         self.cfg = cfg
+        self.is_main = rank == 0
+        self.device_name = (
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        )
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.params = list(self.model.parameters())  # fixed order: the gradient bucket layout
@@ -81,9 +70,10 @@ class TorchBackend(TorchShuffler):
         for p in self.params:
             p.grad = bucket[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+        grad_norm = torch.linalg.vector_norm(bucket[:offset]).reshape(1)
         return {
-            "scalars": bucket[offset:],
-            "names": ["loss", *sums],
+            "scalars": torch.cat([bucket[offset:], grad_norm]),
+            "names": ["loss", *sums, "grad_norm"],
             "global_loss_tokens": global_loss_tokens,
         }
 
@@ -98,12 +88,32 @@ class TorchBackend(TorchShuffler):
             for name, p in self.model.named_core_parameters().items()
         }
 
-    def optimizer_step(self, handle: dict) -> dict[str, float]:
+    def optimizer_step(self, handle: dict) -> dict:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        values = dict(zip(handle["names"], handle["scalars"].tolist(), strict=True))
-        denom = max(int(handle["global_loss_tokens"]), 1)
-        return {name: (v if name == "loss" else v / denom) for name, v in values.items()}
+        scalars = handle["scalars"]
+        if self.device.type == "cuda":
+            # Copy into pinned memory and mark the point: `fetch_metrics` waits for this step
+            # only, while later steps keep the GPU busy (a plain .tolist() would wait for all).
+            host = torch.empty(scalars.shape, dtype=scalars.dtype, pin_memory=True)
+            host.copy_(scalars, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return {**handle, "scalars": host, "done": done}
+        return {**handle, "done": None}
+
+    def fetch_metrics(self, pending: dict) -> dict[str, float]:
+        if pending["done"] is not None:
+            pending["done"].synchronize()
+        values = dict(zip(pending["names"], pending["scalars"].tolist(), strict=True))
+        denom = max(int(pending["global_loss_tokens"]), 1)
+        per_target = set(pending["names"]) - {"loss", "grad_norm"}
+        return {k: (v / denom if k in per_target else v) for k, v in values.items()}
+
+    def memory_gib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
 
 
 # ---------------------------------------------------------------------------- launching
@@ -136,111 +146,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _reset_metrics(cfg) -> int:
-    """Start a fresh metrics.jsonl unless resuming; returns where this run's lines begin."""
-    path = Path(cfg.output_dir) / "metrics.jsonl"
-    if not cfg.train.resume and path.exists():
-        path.unlink()
-    return path.stat().st_size if path.exists() else 0
-
-
-class _RecordingIterator:
-    """Yields `[batch]` per step and remembers the data state before each fetch, so that a
-    checkpoint after step s resumes at batch s + 1 although the pipeline has read ahead."""
-
-    def __init__(self, dataset):
-        self.dataset, self.states = dataset, []
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.states.append(self.dataset.state_dict())
-        return [next(self.dataset)]
-
-    def state_after(self, step: int) -> dict:
-        """Data state to resume from once step `step` (of this run) is trained."""
-        if step + 1 < len(self.states):
-            return self.states[step + 1]
-        return self.dataset.state_dict()
-
-
-def run_rank(cfg, rank: int, world_size: int, device: torch.device, group=None) -> list[dict]:
-    """One rank's training (process group already initialised); rank 0 returns the rows."""
-    out_dir = Path(cfg.output_dir)
+def run_rank(
+    cfg, rank: int, world_size: int, device: torch.device, group=None, source=None
+) -> list[dict]:
+    """One rank's training (process group already initialised); rank 0 returns the rows.
+    `source`: the samples (a `hstu.data.loader.SampleSource`; default: `cfg.data`'s)."""
     # TorchRec's modules trip a one-time torch.fx deprecation notice on every rank: noise here.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    torch.manual_seed(checkpoint.rank_seed(cfg.train.seed, rank))
+    torch.manual_seed(rank_seed(cfg.train.seed, rank))
     backend = TorchBackend(cfg, rank, world_size, device, group)
-    dataset = dataset_from_config(cfg, world_size, rank)
-    root, start_step = checkpoint.checkpoint_root(out_dir), 0
-    if cfg.train.resume:
-        restored = checkpoint.load(root, backend.model, backend.optimizer, rank, group)
-        if restored is not None:
-            start_step, extra = restored
-            dataset.load_state_dict(extra["data"])
-            checkpoint.set_rng_state(extra["rng"], device)
-    num_steps = cfg.train.steps - start_step
-    if num_steps <= 0:
-        return []
-    logger = None
-    if rank == 0:
-        cfg.save(out_dir / "config.yaml")
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        logger = MetricsLogger(
-            out_dir,
-            cfg.train.steps,
-            cfg.train.log_every,
-            peak=peak_tflops(name, cfg.train.peak_tflops),
-        )
-    batches = _RecordingIterator(dataset)
-    every = cfg.train.checkpoint_every
-
-    def on_step(global_step: int, metrics: dict) -> None:
-        if device.type == "cuda":
-            metrics["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if logger is not None:
-            logger.log(global_step, metrics)
-        if every and (global_step + 1) % every == 0:
-            extra = {
-                "step": global_step + 1,
-                "data": batches.state_after(global_step - start_step),
-                "rng": checkpoint.rng_state(device),
-            }
-            checkpoint.save(
-                root,
-                global_step + 1,
-                backend.model,
-                backend.optimizer,
-                extra,
-                rank,
-                cfg.train.keep_checkpoints,
-                group,
-            )
-
-    b = cfg.balance
-    try:
-        rows = pipeline.run(
-            backend,
-            batches,
-            num_steps,
-            HSTUCost.from_model_config(cfg.model),
-            cfg.model.task,
-            shuffler=check_shuffler(b.shuffler),
-            method=b.method,
-            overlap=b.overlap,
-            on_step=on_step,
-            start_step=start_step,
-            prefetch=cfg.data.prefetch,
-        )
-    finally:
-        if logger is not None:
-            logger.close()
-    return rows if rank == 0 else []
+    checkpointer = TrainCheckpointer(
+        cfg.output_dir,
+        backend.model,
+        backend.optimizer,
+        rank,
+        cfg.train.keep_checkpoints,
+        device,
+        group,
+    )
+    check_shuffler(cfg.balance.shuffler)
+    source = source if source is not None else source_from_config(cfg)
+    return trainer.train(cfg, backend, checkpointer, source, "torch")
 
 
 def _init_and_run(
-    cfg, rank: int, world_size: int, local_rank: int, device_type: str, init_method: str
+    cfg,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    device_type: str,
+    init_method: str,
+    source=None,
 ) -> list[dict]:
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -254,73 +190,73 @@ def _init_and_run(
         **kwargs,
     )
     try:
-        return run_rank(cfg, rank, world_size, device)
+        return run_rank(cfg, rank, world_size, device, source=source)
     finally:
         dist.destroy_process_group()
 
 
 def _spawned(
-    rank: int, world_size: int, cfg_dict: dict, device_type: str, port: int, error_dir: str
+    rank: int,
+    world_size: int,
+    cfg_dict: dict,
+    device_type: str,
+    port: int,
+    out_dir: str,
+    source,
 ) -> None:
     try:
         if device_type == "cpu":  # ranks share the cores: do not oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        _init_and_run(
+        rows = _init_and_run(
             config_from_dict(cfg_dict),
             rank,
             world_size,
             rank,
             device_type,
             f"tcp://127.0.0.1:{port}",
+            source,
         )
+        if rank == 0:
+            Path(out_dir, "rows.json").write_text(json.dumps(rows))
     except HSTUError as exc:
-        Path(error_dir, f"rank{rank}.txt").write_text(str(exc))
+        Path(out_dir, f"rank{rank}.txt").write_text(str(exc))
         raise
 
 
-def _read_rows(path: Path, offset: int) -> list[dict]:
-    if not path.exists():
-        return []
-    with path.open() as f:
-        f.seek(offset)
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def train(cfg) -> list[dict]:
-    """Train `cfg`; the launching process (or rank 0 under torchrun) gets the metric rows."""
+def train(cfg, source=None) -> list[dict]:
+    """Train `cfg`; the launching process (or rank 0 under torchrun) gets the metric rows.
+    `source`: the samples (a picklable `hstu.data.loader.SampleSource`; default: `cfg.data`'s)."""
     cfg.validate()
     env = _torchrun_env()
     if env is not None:
         rank, world_size, local_rank = env
         cfg.dist.world_size = world_size  # the launcher decides; config.yaml records it
-        if rank == 0:
-            _reset_metrics(cfg)
         device_type = resolve_device(cfg.dist.device, local_rank + 1)
-        return _init_and_run(cfg, rank, world_size, local_rank, device_type, "env://")
+        return _init_and_run(cfg, rank, world_size, local_rank, device_type, "env://", source)
 
     world_size = cfg.dist.world_size
     device_type = resolve_device(cfg.dist.device, world_size)
-    offset = _reset_metrics(cfg)
     port = cfg.dist.master_port or _free_port()
     if world_size == 1 and not dist.is_initialized():
-        return _init_and_run(cfg, 0, 1, 0, device_type, f"tcp://127.0.0.1:{port}")
+        return _init_and_run(cfg, 0, 1, 0, device_type, f"tcp://127.0.0.1:{port}", source)
     import torch.multiprocessing as mp
 
-    error_dir = tempfile.mkdtemp(prefix="hstu-torch-")
+    out_dir = tempfile.mkdtemp(prefix="hstu-torch-")
     try:
         mp.start_processes(
             _spawned,
-            args=(world_size, cfg.to_dict(), device_type, port, error_dir),
+            args=(world_size, cfg.to_dict(), device_type, port, out_dir, source),
             nprocs=world_size,
             join=True,
             start_method="spawn",
         )
+        rows_path = Path(out_dir, "rows.json")
+        return json.loads(rows_path.read_text()) if rows_path.is_file() else []
     except Exception as exc:
-        messages = sorted(Path(error_dir).glob("rank*.txt"))
+        messages = sorted(Path(out_dir).glob("rank*.txt"))
         if messages:
             raise HSTUError(messages[0].read_text()) from exc
         raise
     finally:
         with contextlib.suppress(OSError):
-            shutil.rmtree(error_dir)
-    return _read_rows(Path(cfg.output_dir) / "metrics.jsonl", offset)
+            shutil.rmtree(out_dir)

@@ -142,7 +142,7 @@ def exchange(cases: list, num_keys_check: int = 12) -> dict:
                     "case": i,
                     "plan": name,
                     "moved": plan.num_moved(),
-                    "capacity": [out.capacity_before, out.capacity_after],
+                    "capacity": [placed.token_capacity, out.token_capacity],
                 }
             )
 
@@ -219,7 +219,7 @@ def invariance(tasks: list, cases: list) -> dict:
                 results[kind] = (
                     float(loss),
                     flax_to_params(grads),
-                    prep.device_batch.capacity_after,
+                    prep.device_batch.token_capacity,
                     prep.plan.num_moved(),
                 )
             base_loss, base_grads, cap, _ = results["identity"]

@@ -59,7 +59,7 @@ def _one_step_worker(rank: int, world: int, device: str) -> dict:
                 prepared.device_batch, int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
             )
             grads = backend.grads()
-            metrics = backend.optimizer_step(handle)
+            metrics = backend.fetch_metrics(backend.optimizer_step(handle))
             out[(task, shuffler, exchange)] = {
                 "metrics": metrics,
                 "grads": grads,
@@ -187,18 +187,20 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path):
         assert b["global_tokens"] == a["global_tokens"]
 
 
-def test_bad_batch_fails_before_any_collective():
+def test_a_batch_of_another_layout_fails_before_any_collective():
+    # (ids out of their tables fail earlier, on the host: tests/unit/test_trainer.py)
     from hstu.torch_backend.train_step import TorchBackend
 
     cfg = _cfg("ranking")
-    batch = make_global_batch(cfg, cfg.data.batch_size, (4,))[0]
-    batch.values["item"][0] = cfg.model.num_items  # out of the table
     backend = TorchBackend(cfg, 1, WORLD, "cpu")  # no process group exists: nothing may hang
-    with pytest.raises(HSTUError, match=r"values\['item'\].*rank 1|rank 1.*values\['item'\]"):
-        backend.to_device([batch])
+    backend.to_device(make_global_batch(cfg, cfg.data.batch_size, (4,)))
     wrong_size = make_global_batch(cfg, cfg.data.batch_size + 1, (4,))[0]
-    with pytest.raises(HSTUError, match="batch_size"):
+    with pytest.raises(HSTUError, match="rank 1: batch_size"):
         backend.to_device([wrong_size])
+    missing = make_global_batch(cfg, cfg.data.batch_size, (4,))[0]
+    del missing.lengths["label"], missing.values["label"]
+    with pytest.raises(HSTUError, match="rank 1: keys"):
+        backend.to_device([missing])
 
 
 def test_kernel_attention_on_cpu_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -219,3 +221,22 @@ def test_kernel_attention_on_cpu_is_a_clear_error(tmp_path, monkeypatch, capsys)
     ]
     assert main(argv) == 2
     assert "model.attention=kernel needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_torchrun_prints_and_records_the_world_it_runs_with(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+        *("-m", "hstu.cli", "train", "--backend", "torch", "--config", "demo"),
+        *("train.steps=2", "dist.world_size=4", f"output_dir={tmp_path}"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("# resolved config") == 1  # rank 0 only
+    assert "world_size: 2" in proc.stdout and "world_size: 4" not in proc.stdout
+    assert load_config(tmp_path / "config.yaml").dist.world_size == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [len(r["rank_workloads_before"]) for r in rows] == [2, 2]

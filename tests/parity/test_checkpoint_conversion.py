@@ -25,9 +25,9 @@ RTOL = 1e-4
 
 
 def _read(backend: str, path, cfg):
-    from hstu.checkpoint import backend_checkpoint
+    from hstu.convert import backend_convert
 
-    return backend_checkpoint(backend).read_portable(path, cfg)
+    return backend_convert(backend).read_portable(path, cfg)
 
 
 def _assert_same_state(a, b) -> None:
@@ -63,7 +63,7 @@ def test_converted_checkpoint_continues_the_source_curve(demo_runs, tmp_path, sr
     cfg = load_config(first / "config.yaml")
     original = _read(src, first, cfg)
     assert original.step == FIRST and original.adam.count == FIRST
-    assert original.data == {"next_batch": FIRST}
+    assert original.data == {"next_sample": FIRST * cfg.data.batch_size * cfg.dist.world_size}
     _assert_same_state(_read(src, back, cfg), original)
 
 

@@ -108,7 +108,7 @@ def test_single_rank_exchange_is_identity(mesh, kind):
     plan = identity_plan(np.arange(8) < 6, 1)
     out = shuffler.exchange(placed, plan, None)
     assert jb.to_jagged(out.batch)[0].diff(host[0]) == []
-    assert out.capacity_after == placed.capacity_before
+    assert out.token_capacity == placed.token_capacity
 
 
 def test_all2all_tables_move_only_real_samples():

@@ -238,12 +238,12 @@ def test_checkpoint_step_names_keep_latest_and_restore(tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
     for step in (1, 2, 3):
         state["step"] = jnp.int32(step)
-        ckpt.save(step, state, {"next_batch": 10 + step})
+        ckpt.save(step, state, {"next_sample": 10 + step})
     ckpt.wait()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2", "step-3"]
     reopened = Checkpointer(tmp_path / "ckpt", keep=2)
     restored, data, step = reopened.restore(abstract_like(state))
-    assert step == 3 and data == {"next_batch": 13}
+    assert step == 3 and data == {"next_sample": 13}
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))

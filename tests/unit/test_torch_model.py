@@ -14,7 +14,7 @@ from hstu.errors import HSTUError  # noqa: E402
 from hstu.params import init_params, param_shapes  # noqa: E402
 from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import to_torch  # noqa: E402
-from hstu.torch_backend.model import HSTUModel, check_batch  # noqa: E402
+from hstu.torch_backend.model import HSTUModel  # noqa: E402
 
 
 def _cfg(task: str, *extra: str):
@@ -171,20 +171,6 @@ def test_outputs_finite_and_loss_decreases(task):
     empty = make_global_batch(cfg, 8, (0,))[0]
     loss, _ = model(to_torch(empty), global_loss_tokens=0)
     assert loss.item() == 0.0
-
-
-def test_check_batch_names_bad_ids_and_negatives():
-    cfg = _cfg("retrieval")
-    batch = make_global_batch(cfg, 4, (3,))[0]
-    check_batch(batch, cfg.model)
-    bad = batch.clone()
-    bad.values["action"][0] = cfg.model.num_actions
-    with pytest.raises(HSTUError, match=r"rank 2: values\['action'\]"):
-        check_batch(bad, cfg.model, rank=2)
-    bad = batch.clone()
-    bad.lengths["negative"][0] += 1
-    with pytest.raises(HSTUError, match="negative"):
-        check_batch(bad, cfg.model)
 
 
 def test_kernel_switch_needs_cuda_or_interpreter(monkeypatch):

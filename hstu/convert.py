@@ -2,16 +2,16 @@
 
 Both backends hold exactly the parameters of `hstu.params` (same shapes, linear kernels
 `[in, out]`), so a checkpoint converts by renaming nothing: the portable state is keyed by the
-core names, and each backend maps its native names onto them in its own `checkpoint.py`
-(torch: TorchRec's `embedding.embeddings.<table>.weight` is `embedding.<table>`; Flax:
-`layers_<i>` is `layers.<i>`). What converts:
+core names, and each backend maps its native names onto them in its own `convert.py` (torch:
+TorchRec's `embedding.embeddings.<table>.weight` is `embedding.<table>`; Flax: `layers_<i>` is
+`layers.<i>`). Training checkpoints themselves are each backend's `checkpoint.py`. What converts:
 
 * parameters (fp32);
 * AdamW state: first and second moments per parameter and the step count (torch
   `exp_avg` / `exp_avg_sq` / `step` == optax `ScaleByAdamState.mu` / `nu` / `count`: the two
   optimizers compute the same update, see docs/MODEL.md);
-* the training step and the data-iterator state (the index of the next global batch, the
-  same on every rank).
+* the training step and the data position (the global index of the next sample, the same on
+  every rank and for any world size).
 
 What does not: RNG streams (a torch generator state has no JAX counterpart). The writer
 gives the target its own seeded initial RNG state, exactly what a fresh run of that backend
@@ -58,7 +58,7 @@ class PortableState:
     step: int
     params: dict[str, np.ndarray]
     adam: AdamState | None = None
-    data: dict | None = None  # {"next_batch": int}
+    data: dict | None = None  # {"next_sample": int}: the data position (hstu.trainer)
     source: str = ""  # where it was read from (messages only)
 
     @property
@@ -76,8 +76,8 @@ class PortableState:
                 raise HSTUError(f"AdamW step count{where} is negative: {self.adam.count}")
         if self.step < 0:
             raise HSTUError(f"checkpoint step{where} is negative: {self.step}")
-        if self.data is not None and int(self.data.get("next_batch", -1)) < 0:
-            raise HSTUError(f"data state{where} has no valid 'next_batch': {self.data}")
+        if self.data is not None and int(self.data.get("next_sample", -1)) < 0:
+            raise HSTUError(f"data state{where} has no valid 'next_sample': {self.data}")
         return self
 
 
@@ -154,8 +154,8 @@ def find_run_config(path: str | Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------ conversion
-def backend_checkpoint(name: str):
-    """`hstu.<name>_backend.checkpoint`, imported on demand (the core never imports it)."""
+def backend_convert(name: str):
+    """`hstu.<name>_backend.convert`, imported on demand (the core never imports it)."""
     if name not in BACKENDS:
         raise HSTUError(f"unknown backend {name!r}; choose from {list(BACKENDS)}")
     from hstu import backends
@@ -163,7 +163,7 @@ def backend_checkpoint(name: str):
     ok, why = backends.available(name)
     if not ok:
         raise HSTUError(why)
-    return importlib.import_module(f"hstu.{name}_backend.checkpoint")
+    return importlib.import_module(f"hstu.{name}_backend.convert")
 
 
 def convert(src_backend: str, dst_backend: str, src: str | Path, dst: str | Path, cfg):
@@ -177,7 +177,7 @@ def convert(src_backend: str, dst_backend: str, src: str | Path, dst: str | Path
             raise HSTUError(
                 f"a {backend} parameters file ends with {PARAMS_SUFFIX[backend]}, got {path}"
             )
-    reader, writer = backend_checkpoint(src_backend), backend_checkpoint(dst_backend)
+    reader, writer = backend_convert(src_backend), backend_convert(dst_backend)
     state = reader.read_portable(Path(src), cfg).validate(cfg.model)
     if not is_params_file(dst) and not state.is_training_state:
         raise HSTUError(
@@ -196,5 +196,5 @@ def describe(state: PortableState) -> str:
     if state.adam is not None:
         parts.append(f"AdamW moments (count {state.adam.count})")
     if state.data is not None:
-        parts.append(f"data next_batch={state.data['next_batch']}")
+        parts.append(f"data next_sample={state.data['next_sample']}")
     return ", ".join(parts)

@@ -44,6 +44,10 @@ class NumpyBackend:
         self.calls.append("optimizer_step")
         return {"loss": float(handle)}
 
+    def fetch_metrics(self, pending):
+        self.calls.append("fetch_metrics")
+        return pending
+
 
 def batches_of(cfg, world):
     ranks = [dataset_from_config(cfg, world, r) for r in range(world)]
@@ -57,11 +61,18 @@ def test_schedule_order_and_metrics(demo_cfg, shuffler):
     cost = HSTUCost.from_model_config(demo_cfg.model)
     rows = pipeline.run(backend, batches_of(demo_cfg, 4), 3, cost, "ranking", shuffler=shuffler)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    # prologue for batch 0, then per step: phase 1 (i+1), fwd/bwd (i), phase 2 (i+1), update
+    # prologue for batch 0, then per step: phase 1 (i+1), fwd/bwd (i), phase 2 (i+1), update,
+    # and only then the metrics of step i - 1: the host never waits for the step it dispatched
     ex = ["exchange"] if shuffler == "balanced" else []
     step = ["to_device", "allgather_stats", "forward_backward", *ex, "optimizer_step"]
-    last = ["forward_backward", "optimizer_step"]
-    assert backend.calls == ["to_device", "allgather_stats", *ex, *step, *step, *last]
+    last = ["forward_backward", "optimizer_step", "fetch_metrics", "fetch_metrics"]
+    assert backend.calls == [
+        *("to_device", "allgather_stats", *ex),
+        *step,
+        *step,
+        "fetch_metrics",
+        *last,
+    ]
     for r in rows:
         assert r["loss"] == pytest.approx(1.0)  # every candidate counted once, globally
         assert len(r["rank_workloads_before"]) == 4
@@ -69,6 +80,12 @@ def test_schedule_order_and_metrics(demo_cfg, shuffler):
         assert r["imbalance_after"] <= r["imbalance_before"] + 1e-12
         for key in ("global_tokens", "step_time_s", "tokens_per_s", "imbalance_before"):
             assert key in r
+        # no padded buffer reported (a dynamic-shape backend): capacity = the busiest rank
+        assert r["token_capacity"] == r["tokens_max_after"] <= r["tokens_max_before"] or (
+            shuffler == "identity" and r["tokens_max_after"] == r["tokens_max_before"]
+        )
+        assert r["padding_waste"] == pytest.approx(4 * r["token_capacity"] / r["global_tokens"] - 1)
+        assert r["num_compiles"] == 0
     if shuffler == "identity":
         assert all(r["imbalance_after"] == r["imbalance_before"] for r in rows)
     else:
@@ -169,3 +186,39 @@ def test_prefetch_depth_does_not_change_the_run(demo_cfg, prefetch):
     )
     base = pipeline.run(NumpyBackend(2), batches_of(demo_cfg, 2), 4, cost, "ranking")
     assert [r["rank_workloads_after"] for r in rows] == [r["rank_workloads_after"] for r in base]
+
+
+def test_checkpoint_hook_sees_each_step_before_the_next_is_dispatched(demo_cfg):
+    backend = NumpyBackend(2)
+    seen = []
+
+    def after_dispatch(step):
+        seen.append((step, len(backend.seen), backend.calls[-1]))
+
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    pipeline.run(
+        backend, batches_of(demo_cfg, 2), 3, cost, "ranking", after_dispatch=after_dispatch
+    )
+    # step s's update is dispatched (s + 1 forward passes so far), the next forward is not
+    assert [(s, n) for s, n, _ in seen] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_model_checks_run_on_the_host_before_any_collective(demo_cfg):
+    backend = NumpyBackend(2)
+    checked = []
+
+    def check(batch, rank):
+        checked.append(rank)
+        if rank == 1:
+            raise ValueError(f"bad ids on rank {rank}")
+
+    with pytest.raises(ValueError, match="rank 1"):
+        pipeline.run(
+            backend,
+            batches_of(demo_cfg, 2),
+            1,
+            HSTUCost.from_model_config(demo_cfg.model),
+            "ranking",
+            check=check,
+        )
+    assert checked == [0, 1] and backend.calls == []

@@ -105,3 +105,32 @@ def test_seq_lengths_follow_the_token_layout(demo_cfg):
     expected = b.lengths["contextual"] + 2 * b.lengths["item"] + b.lengths["candidate"]
     np.testing.assert_array_equal(b.seq_lengths(), expected)
     assert b.seq_lengths()[3] == 0
+
+
+def test_model_input_check_names_bad_ids_negatives_and_long_samples():
+    from hstu.batch import check_model_inputs
+    from hstu.config import load_config
+    from hstu.testing import DEMO_CONFIG
+
+    cfg = load_config(DEMO_CONFIG, ["model.task=retrieval"])
+    limit = cfg.data.max_seqlen
+    (batch,) = make_global_batch(cfg, 4, [3])
+    check_model_inputs(batch, cfg.model, limit)
+    bad = batch.clone()
+    bad.values["action"][0] = cfg.model.num_actions
+    with pytest.raises(HSTUError, match=r"rank 2: values\['action'\]"):
+        check_model_inputs(bad, cfg.model, limit, rank=2)
+    bad = batch.clone()
+    bad.values["item"][1] = -1
+    with pytest.raises(HSTUError, match=r"values\['item'\] must lie in \[0, 2000\)"):
+        check_model_inputs(bad, cfg.model, limit)
+    bad = batch.clone()
+    bad.lengths["negative"][0] += 1
+    with pytest.raises(HSTUError, match="negative"):
+        check_model_inputs(bad, cfg.model, limit)
+    longest = int(batch.seq_lengths().max())
+    with pytest.raises(HSTUError, match=f"over the configured maximum {longest - 1}"):
+        check_model_inputs(batch, cfg.model, longest - 1, rank=0)
+    ranking = load_config(DEMO_CONFIG)
+    with pytest.raises(HSTUError, match="needs jagged keys"):
+        check_model_inputs(make_global_batch(ranking, 4, [3])[0], cfg.model, limit)

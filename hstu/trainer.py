@@ -1,0 +1,169 @@
+"""The training loop both backends run, once: resume, config save, data position, metrics,
+checkpoint cadence, and the call to `hstu.pipeline.run`.
+
+A backend supplies two objects:
+
+* a `TrainBackend`: the pipeline's Backend primitives plus what the loop reports (is this
+  process the one that logs, the device's name for MFU, peak device memory);
+* a `Checkpointer`: save / restore / latest step of its own training state (torch:
+  torch.distributed.checkpoint, jax: Orbax), keeping the newest `train.keep_checkpoints`.
+
+Behaviour every backend shares (tests hold both to it):
+
+* checkpoints `step-N` at every multiple of `train.checkpoint_every` and at the last step, a
+  line printed for each; `train.resume=true` continues from the newest complete one (and says
+  so), or starts at step 0 when there is none;
+* the data position saved with a checkpoint is the global sample index of the next batch, so a
+  resumed run (with any world size) trains on exactly the samples that follow;
+* `metrics.jsonl` starts over in a fresh run; a resumed run keeps the lines of the steps before
+  it and rewrites the rest;
+* the resolved config is printed and saved by the logging process only, after the launcher
+  has fixed the world size;
+* every batch is validated and checked against the model (`check_model_inputs`) on the host,
+  before any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from hstu import pipeline
+from hstu.batch import check_model_inputs
+from hstu.data.loader import DataLoader, SampleSource
+from hstu.metrics import MetricsLogger, peak_tflops
+from hstu.workload import HSTUCost
+
+
+class Checkpointer(Protocol):
+    directory: Path  # holds the step-N folders
+
+    def latest_step(self) -> int | None:
+        """Newest complete checkpoint, or None."""
+
+    def save(self, step: int, data_state: dict) -> Path:
+        """Collective: write `step-<step>` (train state + `data_state`), keep the newest k."""
+
+    def restore(self) -> tuple[int, dict] | None:
+        """Collective: load the newest complete checkpoint into the live train state;
+        `(step, data_state)`, or None when there is none."""
+
+    def close(self) -> None:
+        """Wait for pending writes."""
+
+
+class TrainBackend(pipeline.Backend, Protocol):
+    is_main: bool  # the process that prints, logs and saves the config (rank / process 0)
+    device_name: str  # e.g. "NVIDIA H200" or "cpu": picks the MFU peak
+
+    def memory_gib(self) -> float | None:
+        """Peak device memory so far (GiB), or None where the device does not report it."""
+
+
+def data_state(position: int) -> dict:
+    return {"next_sample": int(position)}
+
+
+def data_position(state: dict, where: str = "checkpoint") -> int:
+    from hstu.errors import HSTUError
+
+    if "next_sample" not in state:
+        raise HSTUError(
+            f"{where} has no data position 'next_sample' (found {sorted(state)}): it was written "
+            "by an older version that counted batches; start a fresh run"
+        )
+    return int(state["next_sample"])
+
+
+def train(
+    cfg,
+    backend: TrainBackend,
+    checkpointer: Checkpointer,
+    source: SampleSource,
+    backend_name: str,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
+    """Train `cfg` to `cfg.train.steps`; the metric rows on the logging process, [] elsewhere."""
+    tc, out_dir, main = cfg.train, Path(cfg.output_dir), backend.is_main
+
+    def say(text: str) -> None:
+        if main:
+            (logger.print if logger else print)(text)
+
+    logger = None
+    start, position = 0, 0
+    if main:
+        print(f"# resolved config (backend={backend_name})\n{cfg.to_yaml()}", flush=True)
+        cfg.save(out_dir / "config.yaml")
+    if tc.resume:
+        restored = checkpointer.restore()
+        if restored is None:
+            say(f"train.resume: no checkpoint under {checkpointer.directory}; starting at step 0")
+        else:
+            start, state = restored
+            position = data_position(state, f"{checkpointer.directory}/step-{start}")
+            say(f"resumed from {checkpointer.directory}/step-{start} (next sample {position})")
+    if start >= tc.steps:
+        say(f"nothing to train: the checkpoint is at step {start} >= train.steps={tc.steps}")
+        return []
+    loader = DataLoader(
+        source, cfg.data.batch_size, backend.world_size, backend.local_ranks, position
+    )
+    positions: dict[int, int] = {}  # step -> data position after its batch
+
+    def batches():
+        step = start
+        while True:
+            batch = next(loader)
+            positions[step] = loader.position
+            step += 1
+            yield batch
+
+    if main:
+        logger = MetricsLogger(
+            out_dir,
+            tc.steps,
+            tc.log_every,
+            peak_tflops(backend.device_name, tc.peak_tflops),
+            start_step=start,
+            tensorboard=tc.tensorboard,
+        )
+
+    def after_dispatch(step: int) -> None:
+        done = step + 1
+        if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.steps):
+            path = checkpointer.save(done, data_state(positions.pop(step)))
+            say(f"checkpoint: saved {path} (the state after step {step})")
+        else:
+            positions.pop(step, None)
+
+    def metrics_ready(step: int, metrics: dict) -> None:
+        metrics["max_memory_gib"] = backend.memory_gib()
+        if logger is not None:
+            logger.log(step, metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+
+    max_seqlen = cfg.data.max_seqlen
+    try:
+        rows = pipeline.run(
+            backend,
+            batches(),
+            tc.steps - start,
+            HSTUCost.from_model_config(cfg.model),
+            cfg.model.task,
+            cfg.balance.shuffler,
+            cfg.balance.method,
+            cfg.balance.overlap,
+            on_step=metrics_ready,
+            start_step=start,
+            prefetch=cfg.data.prefetch,
+            check=lambda b, r: check_model_inputs(b, cfg.model, max_seqlen, r),
+            after_dispatch=after_dispatch,
+        )
+    finally:
+        checkpointer.close()
+        if logger is not None:
+            logger.close()
+    return rows if main else []

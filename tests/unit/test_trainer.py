@@ -1,0 +1,133 @@
+"""The one training loop (`hstu.trainer`) seen through both backends: what a user sees is the
+same whichever `--backend` runs it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hstu import backends
+from hstu.cli import main
+from hstu.config import load_config
+from hstu.data import source_from_config
+from hstu.errors import HSTUError
+from hstu.metrics import STEP_FIELDS, read_rows
+
+BACKENDS = ("torch", "jax")
+
+
+def _available(name: str):
+    ok, why = backends.available(name)
+    return pytest.param(name, marks=pytest.mark.skipif(not ok, reason=why))
+
+
+PARAMS = [_available(b) for b in BACKENDS]
+
+
+def _cli(backend: str, out, *overrides: str) -> int:
+    return main(
+        [
+            "train",
+            "--backend",
+            backend,
+            "--config",
+            "demo",
+            "dist.world_size=1",
+            "data.batch_size=16",
+            "train.log_every=1",
+            f"output_dir={out}",
+            *overrides,
+        ]
+    )
+
+
+def _steps(out) -> list[int]:
+    return [r["step"] for r in read_rows(out / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_checkpoints_resume_and_metrics_file_behave_alike(backend, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(backend, out, "train.steps=5", "train.checkpoint_every=2") == 0
+    printed = capsys.readouterr().out
+    # every multiple of checkpoint_every and the last step; the newest keep_checkpoints kept
+    for step in (2, 4, 5):
+        assert f"checkpoint: saved {out / 'checkpoints' / f'step-{step}'}" in printed
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4", "step-5"]
+    assert "world_size: 1" in printed and (out / "config.yaml").is_file()
+
+    assert _cli(backend, out, "train.steps=7", "train.resume=true") == 0
+    printed = capsys.readouterr().out
+    assert f"resumed from {out / 'checkpoints' / 'step-5'} (next sample 80)" in printed
+    assert _steps(out) == list(range(7))  # the old lines kept, each step once
+
+    # resuming from step-5 again re-trains step 5: its old line is replaced, not repeated
+    assert _cli(backend, out, "train.steps=6", "train.resume=true") == 0
+    assert _steps(out) == list(range(6))
+    assert _cli(backend, out, "train.steps=3") == 0  # a fresh run starts the file over
+    assert _steps(out) == [0, 1, 2]
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+def test_both_backends_write_the_same_metric_fields(tmp_path):
+    rows = {}
+    for backend in BACKENDS:
+        ok, why = backends.available(backend)
+        if not ok:
+            pytest.skip(why)
+        assert _cli(backend, tmp_path / backend, "train.steps=2") == 0
+        rows[backend] = read_rows(tmp_path / backend / "metrics.jsonl")
+    keys = {b: set(r[0]) for b, r in rows.items()}
+    assert keys["torch"] == keys["jax"], keys["torch"] ^ keys["jax"]
+    assert set(STEP_FIELDS) | {"max_memory_gib"} <= keys["torch"]
+    for b, r in rows.items():
+        assert r[0]["max_memory_gib"] is None  # CPU: the device reports no peak memory
+        assert np.isfinite(r[0]["grad_norm"]) and r[0]["grad_norm"] > 0, b
+    for a, b in zip(rows["torch"], rows["jax"], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+class _Tampered:
+    """The demo samples with one sample altered (a user's data, as a SampleSource)."""
+
+    def __init__(self, cfg, index: int, key: str, change):
+        self.inner, self.index, self.key, self.change = source_from_config(cfg), index, key, change
+        self.num_samples, self.jagged_keys = 0, self.inner.jagged_keys
+
+    def sample(self, i: int) -> dict:
+        s = self.inner.sample(i)
+        if i == self.index:
+            s[self.key] = self.change(np.asarray(s[self.key]))
+        return s
+
+
+def _with_last(value):
+    return lambda a: np.concatenate([a[:-1], [value]])
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+@pytest.mark.parametrize(
+    "key, change, message",
+    [
+        ("item", _with_last(2000), r"values\['item'\] must lie in \[0, 2000\)"),
+        ("candidate", _with_last(-1), r"values\['candidate'\] must lie in \[0, 2000\)"),
+        ("contextual", lambda a: np.full(300, 1), "over the configured maximum 134"),
+    ],
+)
+def test_bad_samples_fail_on_the_host_before_any_collective(
+    backend, key, change, message, tmp_path
+):
+    cfg = load_config("demo", ["dist.world_size=1", "train.steps=2", f"output_dir={tmp_path}"])
+    with pytest.raises(HSTUError, match=f"rank 0: .*{message}|rank 0.*{message}"):
+        backends.get_train(backend)(cfg, source=_Tampered(cfg, 11, key, change))
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_resume_with_nothing_to_resume_starts_at_step_zero(backend, tmp_path, capsys):
+    assert _cli(backend, tmp_path, "train.steps=1", "train.resume=true") == 0
+    assert "train.resume: no checkpoint under" in capsys.readouterr().out
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 0
