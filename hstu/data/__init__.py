@@ -2,6 +2,9 @@
 
 from hstu.data.distributions import DISTRIBUTIONS, sample_lengths
 from hstu.data.loader import DataLoader, batch_ranges
+from hstu.data.manifest import Manifest
+from hstu.data.prepare import DATASETS, prepare
+from hstu.data.prepared import PreparedDataset, PreparedSpec
 from hstu.data.synthetic import (
     SampleSpec,
     SyntheticDataset,
@@ -12,6 +15,11 @@ from hstu.data.synthetic import (
 )
 
 __all__ = [
+    "DATASETS",
+    "Manifest",
+    "PreparedDataset",
+    "PreparedSpec",
+    "prepare",
     "DISTRIBUTIONS",
     "DataLoader",
     "SyntheticSamples",
