@@ -13,8 +13,8 @@ from collections.abc import Callable
 from hstu.errors import HSTUError
 
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "torch": ("hstu.torch_backend.train_step", "torch"),
-    "jax": ("hstu.jax_backend.train_step", "jax"),
+    "torch": ("hstu.torch_backend.launch", "torch"),
+    "jax": ("hstu.jax_backend.launch", "jax"),
 }
 
 

@@ -8,7 +8,8 @@ The pieces are a library (see examples/jax_custom_loop.py):
 * `model`        HSTUModel (Flax linen), params_to_flax / flax_to_params
 * `attention`    reference (jnp) / kernel (Pallas) switch
 * `state`        TrainState, the optimizer, init_state
-* `train_step`   make_train_step, JaxBackend (the core trainer's Backend), train(cfg)
+* `train_step`   make_train_step, JaxBackend (the core trainer's Backend), run_training
+* `launch`       train(cfg): devices, processes (jax.distributed), re-exec
 * `checkpoint`   Orbax Checkpointer (`step-N`, keep-latest-k), TrainCheckpointer
 * `convert`      this backend's half of `hstu convert`
 

@@ -255,7 +255,7 @@ def train(overrides: list, kill_after_step: int | None = None, wait_for: str | N
     import time
 
     from hstu.config import load_config
-    from hstu.jax_backend.train_step import train as jax_train
+    from hstu.jax_backend.launch import train as jax_train
     from hstu.testing import DEMO_CONFIG
 
     cfg = load_config(DEMO_CONFIG, overrides)

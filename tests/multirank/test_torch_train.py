@@ -140,7 +140,7 @@ def test_cli_trains_two_ranks_end_to_end(tmp_path, capsys):
 def test_cli_trains_on_nccl_like_on_gloo(tmp_path):
     import torch
 
-    from hstu.torch_backend.train_step import train
+    from hstu.torch_backend.launch import train
 
     world = min(2, torch.cuda.device_count())
     rows = {}
@@ -162,7 +162,7 @@ def test_cli_trains_on_nccl_like_on_gloo(tmp_path):
 
 def test_checkpoint_resume_continues_the_same_run(tmp_path):
     from hstu.torch_backend.checkpoint import complete_steps
-    from hstu.torch_backend.train_step import train
+    from hstu.torch_backend.launch import train
 
     def cfg(out, *extra):
         return load_config(
