@@ -11,11 +11,15 @@ from hstu.errors import HSTUError
 def _train(args: argparse.Namespace) -> int:
     from hstu import backends
     from hstu.config import load_config
+    from hstu.launch_checks import preflight
     from hstu.metrics import format_summary, summarize
 
-    # Every config error is raised here, in the launching process, before any rank starts;
-    # the resolved config is printed by the logging rank once the launcher fixed the world.
+    # Every config and output-dir error is raised here, in the launching process, before any
+    # rank starts (and before a framework is imported); the backend's launcher then bounds
+    # dist.world_size by what the machine runs. The resolved config is printed by the logging
+    # rank once the launcher fixed the world.
     cfg = load_config(args.config, args.overrides)
+    preflight(cfg, args.backend)
     train = backends.get_train(args.backend)
     rows = train(cfg)
     if rows:  # only the process that logs (rank 0) returns rows
@@ -68,6 +72,8 @@ def _parity(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "balance":
         from hstu.bench.balance import main as bench_main
+    elif args.what == "e2e":
+        from hstu.bench.e2e import main as bench_main
     else:  # pragma: no cover - argparse restricts the choices
         raise HSTUError(f"unknown benchmark {args.what!r}")
     return bench_main(args.rest)
@@ -166,8 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("rest", nargs=argparse.REMAINDER)
     plot.set_defaults(func=_plot)
 
-    bench = sub.add_parser("bench", help="benchmarks (balance: partitioner quality and time)")
-    bench.add_argument("what", choices=["balance"])
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (balance: partitioner quality and time; e2e: training end to end)",
+    )
+    bench.add_argument("what", choices=["balance", "e2e"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     bench.set_defaults(func=_bench)
     return parser

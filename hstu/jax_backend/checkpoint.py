@@ -7,12 +7,21 @@ shardings) to place the arrays back on the mesh.
 `Checkpointer` stores any state pytree; `TrainCheckpointer` is this backend's
 `hstu.trainer.Checkpointer`, bound to the live train state of a `JaxBackend`. Converting
 checkpoints between backends is `convert.py`'s business.
+
+Interrupted runs leave nothing that looks like a checkpoint: Orbax writes into a temporary
+folder renamed when finished (leftovers are removed when a manager opens the directory), and
+old steps are deleted by renaming them into `trash/` first, which process 0 empties on open and
+close. The state is replicated and the data position a global sample count, so a checkpoint
+restores on any number of devices (elastic resume); the RNG key is one replicated key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +33,7 @@ from etils import epath
 from hstu.errors import HSTUError
 
 _Metadata = ocp.path.step.Metadata
+TRASH = "trash"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +79,23 @@ class Checkpointer:
             raise HSTUError(f"checkpoint keep must be >= 1, got {keep}")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, step_name_format=DashNameFormat()
+            max_to_keep=keep,
+            create=True,
+            step_name_format=DashNameFormat(),
+            cleanup_tmp_directories=True,  # what a save killed before its rename left
+            todelete_subdir=TRASH,  # an atomic rename, never a half-deleted step-N
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.empty_trash()
+
+    def empty_trash(self) -> None:
+        """Delete what old steps were renamed into (process 0; the folder is shared)."""
+        trash = self.directory / TRASH
+        if jax.process_index() == 0 and trash.is_dir():
+            for leftover in trash.iterdir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                trash.rmdir()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -103,10 +127,12 @@ class Checkpointer:
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self.empty_trash()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self.empty_trash()
 
 
 def abstract_like(state: Any) -> Any:
@@ -155,5 +181,11 @@ class TrainCheckpointer:
         return step, data
 
     def close(self) -> None:
-        if self._ckpt is not None:
-            self._ckpt.close()
+        if self._ckpt is None:
+            return
+        if sys.exc_info()[0] is not None and jax.process_count() > 1:
+            # The run is failing (a process died, say): a pending save waits at a barrier for
+            # every process, maybe forever. Leave it unfinished; its temporary folder is swept
+            # when the folder is next opened, and the failure reaches the launcher now.
+            return
+        self._ckpt.close()

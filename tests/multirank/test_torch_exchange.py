@@ -76,6 +76,7 @@ def _exchange_worker(rank: int, world: int, device: str) -> dict:
     from hstu.config import load_config
     from hstu.pipeline import STAT_REAL, STAT_WORKLOAD, sample_stats
     from hstu.shuffle_plan import exchange_reference, identity_plan, make_plan
+    from hstu.signature import NUM_SIGNATURE
     from hstu.testing import DEMO_CONFIG
     from hstu.torch_backend.batch import to_jagged, to_torch
     from hstu.torch_backend.collectives import all2all_exchange, allgather_exchange, allgather_stats
@@ -129,6 +130,7 @@ def _exchange_worker(rank: int, world: int, device: str) -> dict:
                         np.ones(BATCH),
                         (np.arange(BATCH) < b.actual_batch_size),
                     ]
+                    + [np.zeros(BATCH)] * NUM_SIGNATURE  # the batch signature's columns
                     + [b.lengths[k] for k in b.keys],
                     axis=1,
                 )
