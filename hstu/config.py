@@ -73,7 +73,6 @@ class ModelConfig:
     num_negatives: int = _opt(16, "retrieval: sampled negatives per target")
     retrieval_temperature: float = _opt(0.05, "retrieval: softmax temperature")
     dtype: str = _opt("float32", "compute dtype of the HSTU stack: float32 | bfloat16 | float16")
-
     def validate(self) -> None:
         p = "model."
         _positive(self, p, "embedding_dim", "num_layers", "num_heads", "attention_dim")
@@ -172,11 +171,16 @@ class TrainConfig:
         0.0, "device peak for MFU (0: detected; unknown devices and CPUs report no MFU)"
     )
     tensorboard: bool = _opt(True, "also write the step metrics as TensorBoard scalars")
+    watchdog_s: float = _opt(
+        600.0,
+        "no step finished for this long: dump every thread's stack and stop the run (0: off)",
+    )
 
     def validate(self) -> None:
         p = "train."
         _positive(self, p, "steps", "lr", "log_every", "keep_checkpoints", "eps")
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
+        _positive(self, p, "watchdog_s", allow_zero=True)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
@@ -189,9 +193,15 @@ class DistConfig:
     )
     device: str = _opt("auto", "auto | cpu | cuda | gpu")
     master_port: int = _opt(0, "torch rendezvous port of spawned ranks (0: a free port)")
+    timeout_s: float = _opt(
+        600.0, "longest wait in one collective or rendezvous before the run fails (s)"
+    )
+    heartbeat_s: int = _opt(
+        10, "jax multi-process: a process silent this long is declared dead, ending the run (s)"
+    )
 
     def validate(self) -> None:
-        _positive(self, "dist.", "world_size")
+        _positive(self, "dist.", "world_size", "timeout_s", "heartbeat_s")
         _one_of("dist.device", self.device, ("auto", "cpu", "cuda", "gpu"))
         _check(
             0 <= self.master_port < 65536, "dist.master_port", self.master_port, "not a TCP port"
@@ -212,6 +222,24 @@ class BalanceConfig:
 
 
 @dataclass
+class BenchConfig:
+    probe_every: int = _opt(
+        0,
+        "every N steps, time each rank's forward+backward alone (as loaded and as balanced) "
+        "and the step's device phases; the next step is left out of the medians (0: never)",
+    )
+    probe_after: int = _opt(3, "steps of warm-up before the first probe")
+    probe_phases: bool = _opt(
+        True, "probes also time the step's device phases (forward, backward, reduction, update)"
+    )
+    probe_repeats: int = _opt(3, "timed repeats per probe measurement (median)")
+
+    def validate(self) -> None:
+        _positive(self, "bench.", "probe_every", "probe_after", allow_zero=True)
+        _positive(self, "bench.", "probe_repeats")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the HSTU model"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "the samples"})
@@ -220,10 +248,13 @@ class Config:
     balance: BalanceConfig = field(
         default_factory=BalanceConfig, metadata={"doc": "the balanced shuffler"}
     )
+    bench: BenchConfig = field(
+        default_factory=BenchConfig, metadata={"doc": "measurements for hstu bench e2e"}
+    )
     output_dir: str = _opt("runs/demo", "where config.yaml, metrics and checkpoints go")
 
     def validate(self) -> Config:
-        for sub in (self.model, self.data, self.train, self.dist, self.balance):
+        for sub in (self.model, self.data, self.train, self.dist, self.balance, self.bench):
             sub.validate()
         return self
 
@@ -293,10 +324,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _recipes():
+    """The packaged recipes: the installed `hstu_recipes`, or `configs/` of a source tree that
+    runs uninstalled (PYTHONPATH=.)."""
+    try:
+        return importlib.resources.files("hstu_recipes")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "configs"
+
+
 def recipe_names() -> list[str]:
     """Names of the packaged recipes (`--config NAME`)."""
-    root = importlib.resources.files("hstu_recipes")
-    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[: -len(".yaml")] for p in _recipes().iterdir() if p.name.endswith(".yaml"))
 
 
 def resolve_recipe(spec: str | Path) -> Path:
@@ -306,7 +345,7 @@ def resolve_recipe(spec: str | Path) -> Path:
         return path
     name = str(spec)
     if "/" not in name and not name.endswith((".yaml", ".yml")):
-        candidate = importlib.resources.files("hstu_recipes") / f"{name}.yaml"
+        candidate = _recipes() / f"{name}.yaml"
         if candidate.is_file():
             return Path(str(candidate))
         raise HSTUError(f"no recipe named {name!r}; packaged recipes: {recipe_names()}")

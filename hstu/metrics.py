@@ -36,6 +36,11 @@ STEP_FIELDS = (
     "step_time_s",
     "tokens_per_s",
     "tflops_per_device",
+    "host_s",
+    "balancer_s",
+    "exposed_balancer_s",
+    "perturbed",
+    "max_memory_gib",
 )
 
 # Dense bf16 peak of the accelerators we report MFU against (TFLOP/s, no sparsity).
@@ -129,7 +134,11 @@ class MetricsLogger:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.tb is not None:
-            scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            scalars = {
+                k: v
+                for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
             self.tb.scalars(step, {k: v for k, v in scalars.items() if k != "step"})
         self.bar.set_postfix_str(f"loss {metrics.get('loss', float('nan')):.4f}", refresh=False)
         self.bar.update(1)
@@ -160,14 +169,27 @@ def format_step(m: dict[str, Any]) -> str:
 
 
 def _compiled(rows: list[dict], i: int) -> bool:
-    """Step i built a new program (a new JAX shape bucket, a new CUDA graph)."""
-    return i > 0 and rows[i].get("num_compiles", 0) > rows[i - 1].get("num_compiles", 0)
+    """Row i's time holds a build of a new program (a new JAX shape bucket): the count rises at
+    row i, or at row i + 1, since a row's time is the loop iteration in which its metrics
+    arrive, which dispatches (and so compiles) the next step."""
+
+    def rises(j: int) -> bool:
+        return 0 < j < len(rows) and rows[j].get("num_compiles", 0) > rows[j - 1].get(
+            "num_compiles", 0
+        )
+
+    return rises(i) or rises(i + 1)
 
 
 def timed_rows(rows: list[dict], skip_warmup: int = 1) -> list[dict]:
     """The steps a median is taken over: after the first `skip_warmup`, without the steps that
-    built a new program. Falls back to what there is when too few steps remain."""
-    use = [r for i, r in enumerate(rows) if i >= skip_warmup and not _compiled(rows, i)]
+    built a new program or whose period holds other work (a checkpoint save, a benchmark's
+    measurement: `perturbed`). Falls back to what there is when too few steps remain."""
+    use = [
+        r
+        for i, r in enumerate(rows)
+        if i >= skip_warmup and not _compiled(rows, i) and not r.get("perturbed")
+    ]
     return use or rows[skip_warmup:] or rows
 
 

@@ -32,16 +32,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hstu import signature
 from hstu.batch import JaggedBatch
 from hstu.partition import imbalance
 from hstu.shuffle_plan import ShufflePlan, identity_plan, make_plan
 from hstu.workload import HSTUCost
 
-# Columns of the per-sample stats every rank gathers in phase 1; the per-key jagged lengths
-# follow (in the batch's key order), so every process knows every sample's sizes after the
-# gather: static-shape backends size their exchange buffers from them with no extra collective.
-STAT_WORKLOAD, STAT_TOKENS, STAT_LOSS_TOKENS, STAT_REAL = range(4)
-NUM_FIXED_STATS = 4
+# Columns of the per-sample stats every rank gathers in phase 1: four stats, the batch signature
+# (`hstu.signature`: the rank's batch layout, checked on every rank right after the gather),
+# then the per-key jagged lengths (in the batch's key order), so every process knows every
+# sample's sizes after the gather: static-shape backends size their exchange buffers from them
+# with no extra collective.
+STAT_WORKLOAD, STAT_TOKENS, STAT_LOSS_TOKENS, STAT_REAL, STAT_SIGNATURE = range(5)
+NUM_FIXED_STATS = STAT_SIGNATURE + signature.NUM_SIGNATURE
 
 
 def loss_tokens(batch: JaggedBatch, task: str) -> np.ndarray:
@@ -52,19 +55,28 @@ def loss_tokens(batch: JaggedBatch, task: str) -> np.ndarray:
 
 
 def sample_stats(batches: Sequence[JaggedBatch], cost: HSTUCost, task: str) -> np.ndarray:
-    """[sum batch_size, 4 + num_keys] int64 for this process's ranks, rank-major."""
+    """[sum batch_size, NUM_FIXED_STATS + num_keys] int64 for this process's ranks, rank-major.
+
+    Each length column carries its key's name-and-dtype tag in bits 32-62 (`gathered_lengths`
+    masks it off). Local batches of different key counts are zero-padded to the widest, so the
+    signature check after the gather names the odd rank instead of a shape error here."""
     rows = []
     for b in batches:
         real = np.arange(b.batch_size) < b.actual_batch_size
         cols = [cost.batch_flops(b), b.seq_lengths(), loss_tokens(b, task), real.astype(np.int64)]
-        cols += [b.lengths[k] for k in b.keys]
-        rows.append(np.stack(cols, axis=1))
+        sig = np.broadcast_to(signature.signature(b), (b.batch_size, signature.NUM_SIGNATURE))
+        tags = signature.key_tags(b)
+        lens = [np.asarray(b.lengths[k]).astype(np.int64) | t for k, t in zip(b.keys, tags)]
+        lens_bk = np.stack(lens, axis=1) if lens else np.zeros((b.batch_size, 0), np.int64)
+        rows.append(np.concatenate([np.stack(cols, axis=1), sig, lens_bk], axis=1))
+    width = max(r.shape[1] for r in rows)
+    rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows]
     return np.concatenate(rows).astype(np.int64)
 
 
 def gathered_lengths(stats: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]:
     """Per-key lengths of every global sample, from the gathered stats."""
-    return {k: stats[:, NUM_FIXED_STATS + i] for i, k in enumerate(keys)}
+    return {k: stats[:, NUM_FIXED_STATS + i] & signature.LENGTH_MASK for i, k in enumerate(keys)}
 
 
 class Backend(Protocol):
@@ -107,6 +119,9 @@ class Prepared:
     device_batch: Any
     stats: np.ndarray  # gathered [W * B, S]
     plan: ShufflePlan
+    loaded_batch: Any = None  # the batch as loaded, before the exchange (the identity split)
+    partition_wait_s: float = 0.0  # host time phase 2 waited for the partitioning thread
+    exchange_s: float = 0.0  # host time of the exchange call
 
 
 class Balancer:
@@ -125,7 +140,13 @@ class Balancer:
     def phase1(
         self, device_batch: Any, local_stats: np.ndarray
     ) -> tuple[Any, np.ndarray, Future | ShufflePlan]:
-        stats = self.backend.allgather_stats(local_stats)
+        # A fixed gathered width whatever this rank's keys, so the gather itself cannot fail
+        # on a layout mismatch; then every rank compares all signatures and raises the same
+        # error, naming the odd rank and field, before any exchange.
+        padded = signature.pad_for_gather(local_stats, NUM_FIXED_STATS)
+        stats = self.backend.allgather_stats(padded)
+        signature.check_gathered(stats, self.backend.world_size, NUM_FIXED_STATS)
+        stats = signature.trim_after_check(stats, NUM_FIXED_STATS)
         real = stats[:, STAT_REAL].astype(bool)
         w = self.backend.world_size
         if self.shuffler == "identity":
@@ -135,11 +156,15 @@ class Balancer:
         return device_batch, stats, plan
 
     def phase2(self, device_batch: Any, stats: np.ndarray, plan: Future | ShufflePlan) -> Prepared:
+        t0 = time.perf_counter()
         if isinstance(plan, Future):
             plan = plan.result()
+        t1 = time.perf_counter()
+        loaded = device_batch
         if self.shuffler != "identity":
             device_batch = self.backend.exchange(device_batch, plan, stats)
-        return Prepared(device_batch, stats, plan)
+        t2 = time.perf_counter()
+        return Prepared(device_batch, stats, plan, loaded, t1 - t0, t2 - t1)
 
     def close(self) -> None:
         if self._pool:
@@ -227,6 +252,38 @@ class HostPrefetcher:
         self._thread.join(timeout=5)
 
 
+# Host phases of one pipeline iteration, all on the main thread: together they are the step
+# period the host sees (`hstu bench e2e --breakdown` checks the sum against the step time).
+HOST_PHASES = (
+    "data_wait",  # waiting for the prefetch thread (read + validate + stats run there)
+    "to_device",  # starting the host->device copy of the next batch
+    "stats_gather",  # phase 1: the stats collective (the host needs its result)
+    "dispatch",  # forward/backward and the update, dispatched
+    "partition_wait",  # phase 2: waiting for the partitioning thread
+    "exchange",  # phase 2: the exchange call
+    "fetch_wait",  # waiting for the device to finish the previous step
+    "checkpoint",  # after_dispatch (checkpoint saves)
+    "probe_and_log",  # the metrics line, and the measurements of `probe` steps (benchmarks)
+)
+
+
+class _Clock:
+    """Splits the main thread's time into HOST_PHASES."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.spent = dict.fromkeys(HOST_PHASES, 0.0)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] += now - self.last
+        self.last = now
+
+    def take(self) -> dict[str, float]:
+        out, self.spent = self.spent, dict.fromkeys(HOST_PHASES, 0.0)
+        return out
+
+
 def run(
     backend: Backend,
     batches: Iterator[Sequence[JaggedBatch]],
@@ -241,7 +298,8 @@ def run(
     start_step: int = 0,
     prefetch: int = 2,
     check: Callable[[JaggedBatch, int], None] | None = None,
-    after_dispatch: Callable[[int], None] | None = None,
+    after_dispatch: Callable[[int], bool | None] | None = None,
+    probe: Callable[[int, Prepared], dict | None] | None = None,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
     `batches` yields this process's per-rank batches per step.
@@ -251,11 +309,16 @@ def run(
     a thread; all of it before any collective of that batch.
 
     Metrics are fetched one step late: step i's are read after step i+1 is dispatched, so the
-    host never waits for the device between steps. `step_time_s` is therefore the interval
-    between consecutive steps' completions as seen by the host, i.e. the steady-state step
-    period (step 0's includes start-up). `after_dispatch(step)` runs right after a step's
-    update is dispatched and before the next step touches the state (checkpoints go there);
-    `on_step(step, metrics)` when its metrics arrive.
+    host never waits for the device between steps. Step i's `step_time_s` is the main thread's
+    time over the loop iteration in which its metrics arrive (dispatching step i+1, preparing
+    the batch after it, waiting for step i): in steady state one step period (step 0's holds
+    the start-up, the last one only its wait). `host_s` splits it into HOST_PHASES exactly.
+    `after_dispatch(step)` runs right after a step's update is dispatched and before the next
+    step touches the state (checkpoints go there; returning True marks the next step's time as
+    `perturbed`); `on_step(step, metrics)` when its metrics arrive. `probe(step, prepared)`
+    (benchmarks) may measure a finished step on the devices; what it returns joins that step's
+    metrics, and the following step, whose period holds the measurement, is `perturbed`.
+    Every rank must make the same `after_dispatch` and `probe` calls (they may be collective).
     """
     balancer = Balancer(backend, shuffler, method, overlap)
 
@@ -272,53 +335,89 @@ def run(
         if prefetch
         else (prepare(b) for b in batches)
     )
+    clock = _Clock()
 
-    def start(prepared):
-        host, local_stats = prepared
+    def start():
+        host, local_stats = next(source)
+        clock.lap("data_wait")
         dev = backend.to_device(host)
-        return balancer.phase1(dev, local_stats)
+        clock.lap("to_device")
+        out = balancer.phase1(dev, local_stats)
+        clock.lap("stats_gather")
+        return out
+
+    def finish(phase1) -> Prepared:
+        prepared = balancer.phase2(*phase1)
+        clock.spent["partition_wait"] += prepared.partition_wait_s
+        clock.spent["exchange"] += prepared.exchange_s
+        clock.last = time.perf_counter()
+        return prepared
 
     history: list[dict] = []
-    last_done = time.perf_counter()
+    perturbed: set[int] = set()
 
-    def emit(step: int, pending: Any, prepared: Prepared) -> None:
-        nonlocal last_done
-        out = backend.fetch_metrics(pending)
-        now = time.perf_counter()
-        elapsed, last_done = now - last_done, now
-        metrics = {"step": step, **out, **step_metrics(prepared, backend.world_size)}
+    def fetch(step: int, pending: Any, prepared: Prepared) -> dict:
+        metrics = {"step": step, **backend.fetch_metrics(pending)}
+        clock.lap("fetch_wait")
+        return metrics
+
+    def emit(metrics: dict, prepared: Prepared, host_s: dict) -> None:
+        """Finish step `metrics["step"]`'s row with the host time of the iteration in which
+        its metrics arrived (in steady state, one step period)."""
+        step, w = metrics["step"], backend.world_size
+        metrics |= step_metrics(prepared, w)
         metrics.setdefault("token_capacity", metrics["tokens_max_after"])
         metrics.setdefault("num_compiles", 0)
-        tokens, w = metrics["global_tokens"], backend.world_size
+        elapsed, tokens = sum(host_s.values()), metrics["global_tokens"]
         metrics["padding_waste"] = w * metrics["token_capacity"] / tokens - 1 if tokens else 0.0
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = tokens / elapsed if elapsed else 0.0
         metrics["tflops_per_device"] = (
             metrics["global_flops"] / elapsed / 1e12 / w if elapsed else 0.0
         )
+        metrics["host_s"] = host_s
+        balancer_s = host_s["stats_gather"] + host_s["partition_wait"] + host_s["exchange"]
+        metrics["balancer_s"] = balancer_s
+        # What the host's wait for the device could not absorb is on the critical path.
+        metrics["exposed_balancer_s"] = max(0.0, balancer_s - host_s["fetch_wait"])
+        metrics["perturbed"] = step in perturbed
+        if probe is not None:
+            found = probe(step, prepared)
+            if found:
+                metrics.update(found)
+                perturbed.add(step + 1)
         history.append(metrics)
         if on_step:
             on_step(step, metrics)
+        clock.lap("probe_and_log")
 
     try:
-        current = balancer.phase2(*start(next(source)))
-        last_done = time.perf_counter()
-        pending = None
+        current = finish(start())
+        clock.take()  # the prologue belongs to no step
+        fetched = None  # (metrics, prepared) of the step whose metrics arrived this iteration
+        pending = None  # (step, handle, prepared) of the step dispatched last
         for i in range(num_steps):
             step = start_step + i
-            following = start(next(source)) if i + 1 < num_steps else None
+            following = start() if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
             handle = backend.forward_backward(current.device_batch, loss_tokens_)
-            following = balancer.phase2(*following) if following is not None else None
+            clock.lap("dispatch")
+            following = finish(following) if following is not None else None
             out = backend.optimizer_step(handle)
+            clock.lap("dispatch")
             if pending is not None:
-                emit(*pending)
-            if after_dispatch:
-                after_dispatch(step)
+                fetched = (fetch(*pending), pending[2])
+            if after_dispatch and after_dispatch(step):
+                perturbed.add(step + 1)
+            clock.lap("checkpoint")
+            if fetched is not None:
+                emit(*fetched, clock.take())
+                fetched = None
             pending = (step, out, current)
             current = following
         if pending is not None:
-            emit(*pending)
+            metrics = fetch(*pending)
+            emit(metrics, pending[2], clock.take())
     finally:
         if isinstance(source, HostPrefetcher):
             source.close()

@@ -33,6 +33,7 @@ from hstu import pipeline
 from hstu.batch import check_model_inputs
 from hstu.data.loader import DataLoader, SampleSource
 from hstu.metrics import MetricsLogger, peak_tflops
+from hstu.watchdog import Watchdog
 from hstu.workload import HSTUCost
 
 
@@ -59,6 +60,12 @@ class TrainBackend(pipeline.Backend, Protocol):
 
     def memory_gib(self) -> float | None:
         """Peak device memory so far (GiB), or None where the device does not report it."""
+
+    def probe(self, prepared: pipeline.Prepared, repeats: int, phases: bool = True) -> dict:
+        """Collective (`bench.probe_every`): device timing of the step just fetched:
+        `compute_s_before` / `compute_s_after`, every rank's forward + backward of its batch as
+        loaded and as balanced, each alone on its device, and (`phases`) `device_s`, the step's
+        phases."""
 
 
 def data_state(position: int) -> dict:
@@ -130,22 +137,37 @@ def train(
             tensorboard=tc.tensorboard,
         )
 
-    def after_dispatch(step: int) -> None:
+    def after_dispatch(step: int) -> bool:
+        """Checkpoint cadence; True when a save held up the host (the next step's period)."""
+        watchdog.beat()
         done = step + 1
         if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.steps):
             path = checkpointer.save(done, data_state(positions.pop(step)))
             say(f"checkpoint: saved {path} (the state after step {step})")
-        else:
-            positions.pop(step, None)
+            watchdog.beat()
+            return True
+        positions.pop(step, None)
+        return False
 
     def metrics_ready(step: int, metrics: dict) -> None:
+        watchdog.beat()
         metrics["max_memory_gib"] = backend.memory_gib()
         if logger is not None:
             logger.log(step, metrics)
         if on_step is not None:
             on_step(step, metrics)
 
+    bench = cfg.bench
+
+    def probe(step: int, prepared) -> dict | None:
+        done = step - start + 1
+        if bench.probe_every and done > bench.probe_after and step % bench.probe_every == 0:
+            return backend.probe(prepared, bench.probe_repeats, bench.probe_phases)
+        return None
+
     max_seqlen = cfg.data.max_seqlen
+    # No step dispatched for train.watchdog_s: every thread's stack, then the run ends.
+    watchdog = Watchdog(tc.watchdog_s, f"rank(s) {list(backend.local_ranks)}").start()
     try:
         rows = pipeline.run(
             backend,
@@ -161,9 +183,13 @@ def train(
             prefetch=cfg.data.prefetch,
             check=lambda b, r: check_model_inputs(b, cfg.model, max_seqlen, r),
             after_dispatch=after_dispatch,
+            probe=probe if bench.probe_every else None,
         )
     finally:
-        checkpointer.close()
-        if logger is not None:
-            logger.close()
+        try:
+            checkpointer.close()  # pending saves: the watchdog still covers a hang here
+            if logger is not None:
+                logger.close()
+        finally:
+            watchdog.stop()
     return rows if main else []

@@ -2,8 +2,9 @@
 # Build, check and time everything on a GPU machine in one go; prints a short table at the end.
 #
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
-#                                               multi (>= 2 GPUs; not in the default)
-#                                               (default: all)
+#                                               e2e sim profile (bench_upstream, one GPU)
+#                                               multi e2e2 (>= 2 GPUs; not in the default)
+#                                               (default: env kernels bench train parity)
 #
 # The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
 # them first from the wheel parts made by ../shared/gpu/pack.sh (PARTS_DIR=... .gpu/install.sh),
@@ -13,10 +14,14 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hstu-gpu-out}
 mkdir -p "$OUT"
 # The repo is not pip-installed there: expose `kernels/` under its import name.
-mkdir -p /tmp/hstu-path && ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels
+mkdir -p /tmp/hstu-path && ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels \
+  && ln -sfn "$PWD/configs" /tmp/hstu-path/hstu_recipes
 export PYTHONPATH=/tmp/site:/tmp/hstu-path:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# JAX programs compiled by one run are reused by the next (same shapes): compile once per bucket
+export JAX_COMPILATION_CACHE_DIR=/tmp/hstu-jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 sections=${*:-env kernels bench train parity}
+E2E_BACKENDS=${E2E_BACKENDS:-torch,jax}  # one backend per call keeps a call inside its limit
 declare -a rows
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/fail and seconds
@@ -62,6 +67,43 @@ print('torchrec', torchrec.__version__)" ;;
             --golden tests/parity/golden_demo_losses.json
         done
       done ;;
+    e2e)
+      # bench_upstream at W=1: the step against its work (batch 8 / 32 / 64 and fixed 2,000-event
+      # histories); the breakdown at batch 32
+      E2E="python -m hstu.cli bench e2e --config bench_upstream --shufflers identity --steps 30"
+      E2E="$E2E --backends $E2E_BACKENDS"
+      for b in 8 32 64; do
+        probe=0; [ $b = 32 ] && probe="15 --breakdown"
+        run "e2e_b$b" $E2E --probe-every $probe --out /tmp/e2e_b$b data.batch_size=$b
+        cp /tmp/e2e_b$b/e2e.json "$OUT/e2e_b$b.json"
+      done
+      run e2e_fixed $E2E --probe-every 0 --out /tmp/e2e_fixed data.batch_size=8 \
+        data.seqlen_dist=fixed "data.seqlen_params={}" ;;
+    sim)
+      # simulated W=8 and W=16 on this one GPU (per-rank forward+backward timed alone)
+      for w in 8 16; do
+        run "sim_w$w" python -m hstu.cli bench e2e --config bench_upstream --skip-runs \
+          --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w
+        cp /tmp/sim_w$w/e2e.json "$OUT/sim_w$w.json"
+      done ;;
+    profile)
+      for backend in torch jax; do
+        run "profile_$backend" python scripts/profile_step.py --backend $backend \
+          --config bench_upstream --steps 14 --profile-at 10
+      done ;;
+    e2e2)
+      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all, with the W=2 simulation on
+      # the same batches; then fixed-length data, where there is nothing to balance
+      # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
+      x=allgather,all2all; [ "$E2E_BACKENDS" = jax ] && x=allgather
+      run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
+        --backends $E2E_BACKENDS --exchanges $x --probe-every 15 --breakdown \
+        --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 dist.world_size=2
+      cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json"; cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
+      run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
+        --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \
+        --out /tmp/e2e_w2_fixed dist.world_size=2 \
+        data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" ;;
     multi)
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
       # shuffler against identity on the Zipf recipe, both backends, 2 ranks

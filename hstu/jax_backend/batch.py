@@ -14,14 +14,15 @@ Everything on device is 32-bit (JAX's default mode): 64-bit host integers are ra
 and narrowed, and `BatchSpec` keeps the host dtypes, so `to_jagged(to_device(b)) == b` byte for
 byte. The token capacity T (HSTU tokens per rank, the model's sequence buffer) is bucketed
 (`bucket_capacity`: 128 * 2^k) and the HSTU keys' value capacities derive from it (`item`:
-T/2, ...), so jit sees one shape per octave of load; the spec is the static part of the
-pytree, hence the jit cache key.
+T/2, ...), so jit sees one shape per octave of load, or per capacity of a
+`hstu.capacity.CapacityPolicy` when the caller passes one (training does); the spec is the
+static part of the pytree, hence the jit cache key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -93,9 +94,14 @@ def token_counts(lengths: dict[str, np.ndarray]) -> np.ndarray:
     return total
 
 
-def spec_for_lengths(spec: BatchSpec, rank_lengths: dict[str, np.ndarray]) -> BatchSpec:
-    """`spec` resized to hold every rank: `rank_lengths[key]` is `[W, B]`."""
-    t_cap = bucket_capacity(int(token_counts(rank_lengths).sum(axis=1).max(initial=0)))
+def spec_for_lengths(
+    spec: BatchSpec,
+    rank_lengths: dict[str, np.ndarray],
+    capacity: Callable[[int], int] = bucket_capacity,
+) -> BatchSpec:
+    """`spec` resized to hold every rank: `rank_lengths[key]` is `[W, B]`; `capacity` maps the
+    largest rank's token count to the token capacity T (`hstu.capacity.CapacityPolicy`)."""
+    t_cap = capacity(int(token_counts(rank_lengths).sum(axis=1).max(initial=0)))
     caps = []
     for key in spec.keys:
         need = int(np.asarray(rank_lengths[key]).sum(axis=1).max(initial=0))
@@ -104,7 +110,11 @@ def spec_for_lengths(spec: BatchSpec, rank_lengths: dict[str, np.ndarray]) -> Ba
     return spec.with_capacities(caps, t_cap)
 
 
-def spec_for(template: JaggedBatch, rank_lengths: dict[str, np.ndarray]) -> BatchSpec:
+def spec_for(
+    template: JaggedBatch,
+    rank_lengths: dict[str, np.ndarray],
+    capacity: Callable[[int], int] = bucket_capacity,
+) -> BatchSpec:
     """Spec of `template`'s keys and dtypes whose capacities hold `rank_lengths` (`[W, B]`)."""
     keys = tuple(template.keys)
     dense = {k: np.asarray(v) for k, v in template.dense.items()}
@@ -118,7 +128,7 @@ def spec_for(template: JaggedBatch, rank_lengths: dict[str, np.ndarray]) -> Batc
         capacities=(0,) * len(keys),
         token_capacity=0,
     )
-    return spec_for_lengths(spec, rank_lengths)
+    return spec_for_lengths(spec, rank_lengths, capacity)
 
 
 def spec_from_batches(batches: Sequence[JaggedBatch]) -> BatchSpec:
@@ -204,17 +214,15 @@ def to_device(
     spec = spec or spec_from_batches(batches)
     host = host_arrays(batches, spec)
     world = sharding.mesh.devices.size if hasattr(sharding, "mesh") else len(batches)
+    if sharding.is_fully_addressable:  # one process holds every rank: one batched transfer
+        dev = jax.device_put(host, sharding)
+    else:
 
-    def put(x):
-        return jax.make_array_from_process_local_data(sharding, x, (world, *x.shape[1:]))
+        def put(x):
+            return jax.make_array_from_process_local_data(sharding, x, (world, *x.shape[1:]))
 
-    return DeviceBatch(
-        jax.tree.map(put, host["lengths"]),
-        jax.tree.map(put, host["values"]),
-        jax.tree.map(put, host["dense"]),
-        put(host["num_real"]),
-        spec,
-    )
+        dev = jax.tree.map(put, host)
+    return DeviceBatch(dev["lengths"], dev["values"], dev["dense"], dev["num_real"], spec)
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -14,7 +14,7 @@ hence the capacity every rank pads to (`Placed.token_capacity`, the metric `toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from hstu import signature
 from hstu.batch import JaggedBatch
 from hstu.errors import HSTUError
 from hstu.jax_backend import batch as jb
 from hstu.jax_backend import collectives as col
-from hstu.pipeline import Balancer, Prepared, gathered_lengths, sample_stats
-from hstu.shuffle_plan import ShufflePlan
+from hstu.pipeline import NUM_FIXED_STATS, Balancer, Prepared, gathered_lengths, sample_stats
+from hstu.shuffle_plan import ShufflePlan, exchange_reference
 from hstu.workload import HSTUCost
 
 # Device arithmetic is int32 (JAX's default mode); the mask's pair count of a sample of n
@@ -58,7 +59,11 @@ def next_pow2(n: int) -> int:
 
 
 def plan_exchange(
-    plan: ShufflePlan, lengths: dict[str, np.ndarray], spec_in: jb.BatchSpec, kind: str
+    plan: ShufflePlan,
+    lengths: dict[str, np.ndarray],
+    spec_in: jb.BatchSpec,
+    kind: str,
+    capacity: Callable[[int], int] = jb.bucket_capacity,
 ) -> tuple[col.ExchangeSpec, dict[str, np.ndarray]]:
     """Host side of an exchange: its static spec and the `[W, ...]` int32 row tables.
 
@@ -69,7 +74,7 @@ def plan_exchange(
     """
     w, b = plan.world_size, plan.batch_size
     after = _rank_lengths(lengths, plan.indices)  # [W, B] per key
-    spec_out = jb.spec_for_lengths(spec_in, after)
+    spec_out = jb.spec_for_lengths(spec_in, after, capacity)
     tables = {"num_real": plan.num_real.astype(np.int32)}
     if kind == "allgather":
         tables["rows"] = plan.indices.astype(np.int32)
@@ -132,13 +137,27 @@ def local_workloads(batch: jb.DeviceBatch, cost: HSTUCost) -> np.ndarray:
 class JaxShuffler:
     """`to_device` / `allgather_stats` / `exchange` of the pipeline Backend, over a mesh."""
 
-    def __init__(self, mesh: Mesh, exchange: str = "allgather"):
+    def __init__(
+        self,
+        mesh: Mesh,
+        exchange: str = "allgather",
+        capacity: Callable[[int], int] = jb.bucket_capacity,
+        host_exchange: bool | None = None,
+    ):
+        """`capacity`: token count -> token capacity (`hstu.capacity.CapacityPolicy`).
+        `host_exchange` (default: one process drives the whole mesh): gather the stats and
+        apply the plan on the host, where every rank's batch already is, and copy each rank
+        its balanced batch; with several processes the device collectives do both."""
         if exchange not in ("allgather", "all2all"):
             raise ValueError(f"exchange must be 'allgather' or 'all2all', got {exchange!r}")
-        self.mesh, self.exchange_kind = mesh, exchange
+        self.mesh, self.exchange_kind, self.capacity = mesh, exchange, capacity
         self.world_size = mesh.size
         self.local_ranks = col.local_ranks(mesh)
         self.sharding = col.rank_sharding(mesh)
+        single = len(self.local_ranks) == self.world_size
+        self.host_exchange = single if host_exchange is None else host_exchange
+        if self.host_exchange and not single:
+            raise HSTUError("host_exchange needs one process driving every rank of the mesh")
         self._pending: list[Placed] = []
         self.compiled: set = set()  # distinct static shapes seen = jit compilations
 
@@ -152,29 +171,49 @@ class JaxShuffler:
         return placed
 
     def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
-        stats = col.allgather_stats(self.mesh, local_stats)
-        self.compiled.add(("stats", local_stats.shape))
+        # This process's ranks must agree on the batch size before the gather (their rows
+        # would be misattributed); every rank's layout is checked right after it, before the
+        # copy below sizes device buffers from it (`hstu.signature`).
+        signature.local_batch_size(local_stats, self.local_ranks, NUM_FIXED_STATS)
+        if self.host_exchange:  # every rank's stats are this process's: no device round trip
+            stats = np.ascontiguousarray(local_stats, dtype=np.int64)
+        else:
+            stats = col.allgather_stats(self.mesh, local_stats)
+            self.compiled.add(("stats", local_stats.shape))
+        signature.check_gathered(stats, self.world_size, NUM_FIXED_STATS)
         if self._pending:
             placed = self._pending.pop(0)
-            self._materialize(placed, gathered_lengths(stats, placed.host[0].keys))
+            placed.lengths = gathered_lengths(stats, placed.host[0].keys)
+            if not self.host_exchange:  # else the exchange copies the balanced batch (or
+                self._materialize(placed, placed.lengths)  # `ensure`, the batch as loaded)
         return stats
 
     def _materialize(self, placed: Placed, lengths: dict[str, np.ndarray]) -> None:
         w = self.world_size
         rank_lengths = {k: v.reshape(w, -1) for k, v in lengths.items()}
-        spec = jb.spec_for(placed.host[0], rank_lengths)
-        placed.batch = jb.to_device(placed.host, self.sharding, spec)
+        spec = jb.spec_for(placed.host[0], rank_lengths, self.capacity)
+        try:
+            placed.batch = jb.to_device(placed.host, self.sharding, spec)
+        except HSTUError as exc:  # say which rank's batch cannot go to the device
+            for rank, batch in zip(self.local_ranks, placed.host, strict=True):
+                try:
+                    jb.host_arrays([batch], spec)
+                except HSTUError as one:
+                    raise HSTUError(f"invalid batch on rank {rank}: {one}") from exc
+            raise
         placed.lengths, placed.host = lengths, None
 
     def ensure(self, placed: Placed) -> Placed:
-        """Materialise a batch that skipped the stats gather (single process only)."""
+        """Copy a batch that is not on the devices yet (single process only): one that skipped
+        the stats gather, or, with the host exchange, one that trains as loaded."""
         if placed.batch is None:
             if placed in self._pending:
                 self._pending.remove(placed)
             keys = placed.host[0].keys
-            self._materialize(
-                placed, {k: np.concatenate([b.lengths[k] for b in placed.host]) for k in keys}
-            )
+            lengths = placed.lengths or {
+                k: np.concatenate([b.lengths[k] for b in placed.host]) for k in keys
+            }
+            self._materialize(placed, lengths)
         return placed
 
     def exchange(
@@ -182,8 +221,17 @@ class JaxShuffler:
     ) -> Placed:
         # Buffers were sized at the stats gather already (`allgather_stats`), so `stats` is
         # not needed here; it is accepted to follow the pipeline's Backend protocol.
+        if self.host_exchange and placed.batch is None:
+            # One process holds every rank's batch: apply the plan on the host and copy each
+            # device its balanced batch (what the device exchange yields, byte for byte).
+            moved = Placed(exchange_reference(placed.host, plan))
+            after = _rank_lengths(placed.lengths, plan.indices)
+            self._materialize(moved, {k: v.reshape(-1) for k, v in after.items()})
+            return moved
         placed = self.ensure(placed)
-        xspec, tables = plan_exchange(plan, placed.lengths, placed.batch.spec, self.exchange_kind)
+        xspec, tables = plan_exchange(
+            plan, placed.lengths, placed.batch.spec, self.exchange_kind, self.capacity
+        )
         self.compiled.add(("exchange", xspec))
         local = {k: col.put_local(self.mesh, v[self.local_ranks]) for k, v in tables.items()}
         out = col.exchange_fn(self.mesh, xspec)(placed.batch, local)
@@ -202,6 +250,8 @@ class JaxShuffler:
         balancer = Balancer(self, shuffler, method, overlap=False)
         try:
             dev = self.to_device(batches)
-            return balancer.phase2(*balancer.phase1(dev, sample_stats(batches, cost, task)))
+            out = balancer.phase2(*balancer.phase1(dev, sample_stats(batches, cost, task)))
+            out.device_batch = self.ensure(out.device_batch)
+            return out
         finally:
             balancer.close()

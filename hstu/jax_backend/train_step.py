@@ -20,11 +20,13 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from hstu.errors import HSTUError
 from hstu.jax_backend import collectives as col
 from hstu.jax_backend.batch import DeviceBatch, local_view
 from hstu.jax_backend.model import HSTUModel
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
 from hstu.jax_backend.state import TrainState, init_state, make_optimizer
+from hstu.pipeline import STAT_LOSS_TOKENS
 
 __all__ = [
     "JaxBackend",
@@ -84,11 +86,31 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
+def _zero_update(optimizer: optax.GradientTransformation) -> Callable:
+    """The AdamW update on zero gradients: the update's cost without its gradients."""
+
+    def update(params, opt_state):
+        grads = jax.tree.map(jax.numpy.zeros_like, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
 class JaxBackend:
     """The core trainer's Backend over a mesh: the shuffler's data half plus the fused step."""
 
-    def __init__(self, shuffler: JaxShuffler, step_fn: Callable, state: TrainState):
+    def __init__(
+        self,
+        shuffler: JaxShuffler,
+        step_fn: Callable,
+        state: TrainState,
+        model: HSTUModel | None = None,
+        optimizer: optax.GradientTransformation | None = None,
+    ):
         self.shuffler, self.step_fn, self.state = shuffler, step_fn, state
+        self.model, self.optimizer = model, optimizer  # for `probe` (benchmarks)
+        self._timers: dict = {}
         self.world_size, self.local_ranks = shuffler.world_size, shuffler.local_ranks
         self.is_main = jax.process_index() == 0
         me = jax.process_index()
@@ -126,6 +148,62 @@ class JaxBackend:
         out = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
         return out | {"token_capacity": capacity, "num_compiles": num_compiles}
 
+    def probe(self, prepared, repeats: int = 3, phases: bool = True) -> dict:
+        """Device timing of the step just fetched (`hstu bench e2e`); every process calls it.
+
+        JAX fuses the step into one program, so its parts are timed as programs of their own
+        on the same arrays: each local rank's forward + backward alone on its device
+        (`compute_s_before` / `_after`: the batch as loaded and as balanced) and, with
+        `phases`, the forward alone, the whole step (not donating the state) and the update
+        alone; `grad_reduce` is what the step takes beyond the slowest rank's forward +
+        backward and the update. Each program compiles once per shape."""
+        from hstu.jax_backend.timing import RankTimer, median_time
+
+        if self.model is None or self.optimizer is None:
+            raise HSTUError("JaxBackend.probe needs the model and optimizer it was built with")
+        if not self._timers:
+            self._timers["rank"] = RankTimer(self.model)
+            self._timers["step"] = make_train_step(
+                self.model, self.optimizer, self.shuffler.mesh, donate=False
+            )
+            self._timers["update"] = jax.jit(_zero_update(self.optimizer))
+        jax.block_until_ready(self.state)
+        devices = list(self.shuffler.mesh.devices.flat)
+        glt = float(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+        params, ranks = self.state.params, self._timers["rank"]
+
+        def per_rank(placed, forward_only=False):
+            return [
+                ranks.time(params, placed.batch, devices[r], glt, repeats, forward_only)
+                for r in self.local_ranks
+            ]
+
+        ensure = self.shuffler.ensure  # the host exchange leaves the loaded split on the host
+        after_placed = ensure(prepared.device_batch)
+        before = per_rank(ensure(prepared.loaded_batch))
+        after = per_rank(after_placed)
+        b = after_placed.batch.spec.batch_size
+        ns = np.repeat(np.rint(np.array([before, after]).T * 1e9).astype(np.int64), b, axis=0)
+        every = col.allgather_stats(self.shuffler.mesh, ns)[::b] / 1e9  # [W, 2]
+        out = {"compute_s_before": every[:, 0].tolist(), "compute_s_after": every[:, 1].tolist()}
+        if phases:
+            forward = per_rank(after_placed, forward_only=True)
+            step_s = median_time(
+                lambda: self._timers["step"](self.state, after_placed.batch, np.float32(glt)),
+                repeats,
+            )
+            update_s = median_time(
+                lambda: self._timers["update"](self.state.params, self.state.opt_state), repeats
+            )
+            out["device_s"] = {
+                "forward": forward[0],
+                "backward": after[0] - forward[0],
+                "grad_reduce": max(0.0, step_s - float(every[:, 1].max()) - update_s),
+                "optimizer": update_s,
+                "step": step_s,
+            }
+        return out
+
     def memory_gib(self) -> float | None:
         peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._devices]
         peaks = [p for p in peaks if p is not None]
@@ -134,7 +212,7 @@ class JaxBackend:
 
 def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> list[dict]:
     """The core trainer over `devices`: this backend's step, shuffler and checkpointer."""
-    from hstu import trainer
+    from hstu import capacity, trainer
     from hstu.data import source_from_config
     from hstu.jax_backend.checkpoint import TrainCheckpointer
     from hstu.jax_backend.model import build_model
@@ -145,8 +223,17 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=devices[0].platform == "cpu")
     optimizer = make_optimizer(tc)
     state = init_state(init_params(cfg.model, tc.seed), optimizer, mesh, tc.seed)
+    policy = (
+        capacity.from_config(cfg)
+        if source is None
+        else capacity.geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+    )
     backend = JaxBackend(
-        JaxShuffler(mesh, cfg.balance.exchange), make_train_step(model, optimizer, mesh), state
+        JaxShuffler(mesh, cfg.balance.exchange, policy.capacity),
+        make_train_step(model, optimizer, mesh),
+        state,
+        model,
+        optimizer,
     )
 
     def set_state(tree: dict) -> None:

@@ -10,9 +10,19 @@ import torch
 
 
 def make_optimizer(params, tc) -> torch.optim.AdamW:
-    """AdamW on every parameter, decoupled weight decay (== optax.adamw of the JAX backend)."""
+    """AdamW on every parameter, decoupled weight decay (== optax.adamw of the JAX backend).
+
+    On CUDA the fused implementation: the whole update in a couple of kernels instead of a
+    dozen multi-tensor launches per step (the same arithmetic)."""
+    params = list(params)
+    fused = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(
-        params, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay
+        params,
+        lr=tc.lr,
+        betas=(tc.beta1, tc.beta2),
+        eps=tc.eps,
+        weight_decay=tc.weight_decay,
+        fused=True if fused else None,
     )
 
 

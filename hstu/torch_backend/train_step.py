@@ -5,8 +5,9 @@
 
 Data parallelism is applied here, in this order: every rank holds the full model (replicated,
 same init); the shuffle moves samples between ranks (shuffler.py); the loss of each rank is its
-sum over targets divided by the *global* target count; gradients plus the loss and metric sums
-are all-reduced (SUM) in one flat bucket, so every rank applies the same AdamW update.
+sum over targets divided by the *global* target count; gradients are all-reduced (SUM) in
+fixed buckets overlapped with the backward pass (grad_sync.py), the loss and metric sums in one
+small reduction after it, so every rank applies the same AdamW update.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ import torch.distributed as dist
 from hstu import trainer
 from hstu.data import source_from_config
 from hstu.params import init_params
+from hstu.pipeline import STAT_LOSS_TOKENS
+from hstu.torch_backend import collectives
 from hstu.torch_backend.checkpoint import TrainCheckpointer
+from hstu.torch_backend.grad_sync import GradBuckets
 from hstu.torch_backend.model import HSTUModel
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.torch_backend.state import make_optimizer, rank_seed
+from hstu.torch_backend.timing import time_forward_backward
 
 
 class TorchBackend(TorchShuffler):
@@ -40,30 +45,41 @@ class TorchBackend(TorchShuffler):
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.params = list(self.model.parameters())  # fixed order: the gradient bucket layout
         self.optimizer = make_optimizer(self.params, cfg.train)
+        self.buckets = GradBuckets(self.params, world_size, group)
+
+    def _mark(self, marks: list | None) -> None:
+        """Record a device event at a phase boundary (CUDA only; `probe` reads them)."""
+        if marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
 
     def forward_backward(self, device_batch, global_loss_tokens: int) -> dict:
         batch = self.ready(device_batch)
         if batch.actual_batch_size:  # an all-padding batch keeps its zero-length rows
             batch = batch.strip_padding()
+        marks = [] if self.device.type == "cuda" else None
+        self._mark(marks)
         self.model.train()
+        self.buckets.start()
         loss, sums = self.model(batch, global_loss_tokens)
+        self._mark(marks)
         if loss.requires_grad:
-            loss.backward()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        scalars = [loss.detach().float().reshape(1)] + [
-            v.detach().float().reshape(1) for v in sums.values()
-        ]
-        bucket = torch.cat([g.reshape(-1) for g in grads] + scalars)
-        dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group)
-        offset = 0
-        for p in self.params:
-            p.grad = bucket[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-        grad_norm = torch.linalg.vector_norm(bucket[:offset]).reshape(1)
+            loss.backward()  # launches the bucket reductions as their gradients finish
+        self._mark(marks)
+        scalars = torch.cat(
+            [loss.detach().float().reshape(1)]
+            + [v.detach().float().reshape(1) for v in sums.values()]
+        )
+        if self.world_size > 1:
+            dist.all_reduce(scalars, op=dist.ReduceOp.SUM, group=self.group, async_op=True).wait()
+        grad_norm = self.buckets.finish()
+        self._mark(marks)
         return {
-            "scalars": torch.cat([bucket[offset:], grad_norm]),
+            "scalars": torch.cat([scalars, grad_norm.reshape(1)]),
             "names": ["loss", *sums, "grad_norm"],
             "global_loss_tokens": global_loss_tokens,
+            "marks": marks,
         }
 
     def grads(self) -> dict[str, np.ndarray]:
@@ -79,6 +95,7 @@ class TorchBackend(TorchShuffler):
 
     def optimizer_step(self, handle: dict) -> dict:
         self.optimizer.step()
+        self._mark(handle["marks"])
         self.optimizer.zero_grad(set_to_none=True)
         scalars = handle["scalars"]
         if self.device.type == "cuda":
@@ -94,10 +111,39 @@ class TorchBackend(TorchShuffler):
     def fetch_metrics(self, pending: dict) -> dict[str, float]:
         if pending["done"] is not None:
             pending["done"].synchronize()
+        self._last_marks = pending["marks"]
         values = dict(zip(pending["names"], pending["scalars"].tolist(), strict=True))
         denom = max(int(pending["global_loss_tokens"]), 1)
         per_target = set(pending["names"]) - {"loss", "grad_norm"}
-        return {k: (v / denom if k in per_target else v) for k, v in values.items()}
+        out = {k: (v / denom if k in per_target else v) for k, v in values.items()}
+        return out
+
+    def probe(self, prepared, repeats: int = 3, phases: bool = True) -> dict:
+        """Device timing of the step just fetched (`hstu bench e2e`). Collective: every rank.
+
+        `device_s`: this rank's forward, backward, gradient reduction and update, from the
+        events recorded inside the step. `compute_s_before` / `_after`: every rank's forward +
+        backward of its batch as loaded and as balanced, each run alone on its device."""
+        marks = getattr(self, "_last_marks", None)
+        names = ("forward", "backward", "grad_reduce", "optimizer")
+        device_s = (
+            {n: a.elapsed_time(b) / 1e3 for n, a, b in zip(names, marks, marks[1:], strict=False)}
+            if marks and phases
+            else {}
+        )
+        glt = int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+        times = [
+            time_forward_backward(self.model, self.ready(b), glt, repeats)
+            for b in (prepared.loaded_batch, prepared.device_batch)
+        ]
+        ns = np.tile(np.rint(np.array(times) * 1e9).astype(np.int64), (self.batch_size, 1))
+        gathered = collectives.allgather_stats(ns, self.world_size, self.device, self.group)
+        every = gathered[:: self.batch_size] / 1e9  # [W, 2]
+        return {
+            "device_s": device_s,
+            "compute_s_before": every[:, 0].tolist(),
+            "compute_s_after": every[:, 1].tolist(),
+        }
 
     def memory_gib(self) -> float | None:
         if self.device.type != "cuda":

@@ -111,7 +111,7 @@ def exchange(cases: list, num_keys_check: int = 12) -> dict:
 
     world = jax.device_count()
     mesh = col.make_mesh(jax.devices())
-    shufflers = {k: JaxShuffler(mesh, k) for k in ("allgather", "all2all")}
+    shufflers = {k: JaxShuffler(mesh, k, host_exchange=False) for k in ("allgather", "all2all")}
     failures, info = [], []
     for i, (task, real) in enumerate(cases):
         cfg = _cfg(task, f"data.seed={i}", "data.max_history=24")
@@ -207,12 +207,13 @@ def invariance(tasks: list, cases: list) -> dict:
             cost = HSTUCost.from_model_config(cfg.model)
             glt = float(sample_stats(host, cost, task)[:, STAT_LOSS_TOKENS].sum())
             results = {}
-            for kind, shuffler in (
-                ("identity", "identity"),
-                ("allgather", "balanced"),
-                ("all2all", "balanced"),
+            for kind, exchange, shuffler, on_host in (
+                ("identity", "allgather", "identity", True),
+                ("allgather", "allgather", "balanced", False),
+                ("all2all", "all2all", "balanced", False),
+                ("host", "allgather", "balanced", True),
             ):
-                prep = JaxShuffler(mesh, kind if kind != "identity" else "allgather").shuffle(
+                prep = JaxShuffler(mesh, exchange, host_exchange=on_host).shuffle(
                     host, cost, task, shuffler=shuffler
                 )
                 (loss, aux), grads = grad_fn(state.params, prep.device_batch.batch, glt, state.rng)
@@ -223,7 +224,7 @@ def invariance(tasks: list, cases: list) -> dict:
                     prep.plan.num_moved(),
                 )
             base_loss, base_grads, cap, _ = results["identity"]
-            for kind in ("allgather", "all2all"):
+            for kind in ("allgather", "all2all", "host"):
                 loss, grads, cap_after, moved = results[kind]
                 worst = max(
                     float(

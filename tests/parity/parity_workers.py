@@ -166,7 +166,9 @@ def jax_exchange() -> list[dict]:
     out = []
     for task, cfg, batches in exchange_cases():
         cost = HSTUCost.from_model_config(cfg.model)
-        shufflers = {kind: JaxShuffler(mesh, kind) for kind in ("allgather", "all2all")}
+        shufflers = {
+            kind: JaxShuffler(mesh, kind, host_exchange=False) for kind in ("allgather", "all2all")
+        }
         placed = shufflers["allgather"].ensure(shufflers["allgather"].to_device(batches))
         case = {"workloads": local_workloads(placed.batch, cost)}
         for exchange, shuffler in shufflers.items():

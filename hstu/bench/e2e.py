@@ -1,0 +1,302 @@
+"""`hstu bench e2e`: what the balancer buys, phase by phase and rank by rank.
+
+    hstu bench e2e --config bench_upstream [--backends torch,jax] [--shufflers identity,balanced]
+        [--exchanges allgather,all2all] [--steps N] [--probe-every K] [--breakdown]
+        [--simulate-ranks W] [--out DIR] [key=value ...]
+
+Every combination trains in its own process (`hstu train`, data-parallel size
+`dist.world_size`); identity moves nothing, so it runs once per backend whatever the
+exchanges. From each run's metrics (medians over the steps after warm-up, without steps that
+compiled or held a measurement):
+
+* step time (median and p90), tokens/s, TFLOP/s per device, MFU;
+* imbalance before/after by FLOPs, and by measured per-rank compute time: every K steps
+  (`bench.probe_every`) each rank's forward + backward of its batch as loaded and as balanced
+  runs alone on its device, timed on the device (`TrainBackend.probe`);
+* the balancer's host time on the main thread (stats gather + partition wait + exchange) and
+  the part of it the wait for the device did not absorb (`exposed_balancer_s`), in ms and as a
+  share of the step;
+* speedup over identity (same backend), padding waste, programs compiled.
+
+`--breakdown` splits the step: the host phases of the main thread (they are the step period as
+the host sees it; their sum is checked against the step) and the device phases of one step
+(forward, backward, gradient reduction, update). `--simulate-ranks W` projects W ranks from
+one device (`hstu.bench.simulate`). Writes `e2e.json` and `e2e.png` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hstu.config import load_config
+from hstu.errors import HSTUError
+from hstu.metrics import read_rows, timed_rows
+from hstu.pipeline import HOST_PHASES, imbalance_of
+
+DEVICE_PHASES = ("forward", "backward", "grad_reduce", "optimizer")
+
+
+def _med(values) -> float:
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _p90(values) -> float:
+    return float(np.percentile(values, 90)) if values else float("nan")
+
+
+def run_names(backends, shufflers, exchanges) -> list[tuple[str, str, str]]:
+    out = []
+    for b in backends:
+        for s in shufflers:
+            for x in exchanges if s == "balanced" else exchanges[:1]:
+                out.append((b, s, x if s == "balanced" else "-"))
+    return out
+
+
+def summarize_run(rows: list[dict], world: int) -> dict:
+    """The table row of one run, from its metrics.jsonl."""
+    if not rows:
+        raise HSTUError("the run wrote no metrics")
+    use = timed_rows(rows, skip_warmup=2)
+    step = [r["step_time_s"] for r in use]
+    probes = [r for r in rows if r.get("compute_s_after")]
+    out = {
+        "steps": len(rows),
+        "steps_timed": len(use),
+        "step_ms": 1e3 * _med(step),
+        "step_p90_ms": 1e3 * _p90(step),
+        "tokens_per_s": _med(r["tokens_per_s"] for r in use),
+        "tflops_per_device": _med(r["tflops_per_device"] for r in use),
+        "imbalance_flops_before": _med(r["imbalance_before"] for r in use),
+        "imbalance_flops_after": _med(r["imbalance_after"] for r in use),
+        "imbalance_time_before": _med(
+            imbalance_of(np.array(r["compute_s_before"])) for r in probes
+        ),
+        "imbalance_time_after": _med(imbalance_of(np.array(r["compute_s_after"])) for r in probes),
+        "rank_compute_ms_before": _rank_median(probes, "compute_s_before", world),
+        "rank_compute_ms_after": _rank_median(probes, "compute_s_after", world),
+        "balancer_ms": 1e3 * _med(r["balancer_s"] for r in use),
+        "exposed_balancer_ms": 1e3 * _med(r["exposed_balancer_s"] for r in use),
+        "padding_waste": _med(r["padding_waste"] for r in use),
+        "num_compiles": max(r.get("num_compiles", 0) for r in rows),
+        "loss_last": rows[-1]["loss"],
+        # means, not medians: they add up, so the phases account for the mean step exactly
+        "step_mean_ms": 1e3 * float(np.mean(step)),
+        "host_ms": {p: 1e3 * float(np.mean([r["host_s"][p] for r in use])) for p in HOST_PHASES},
+        "device_ms": {
+            p: 1e3 * _med([r["device_s"].get(p) for r in probes if r.get("device_s")])
+            for p in (*DEVICE_PHASES, "step")
+        },
+    }
+    mfu = [r["mfu"] for r in use if "mfu" in r]  # written where the device's peak is known
+    out["mfu"] = _med(mfu) if mfu else None
+    out["exposed_balancer_share"] = out["exposed_balancer_ms"] / out["step_ms"]
+    out["host_sum_ms"] = sum(out["host_ms"].values())
+    return out
+
+
+def _rank_median(probes: list[dict], key: str, world: int) -> list[float]:
+    if not probes:
+        return []
+    return (1e3 * np.median(np.array([r[key] for r in probes]), axis=0)).tolist()
+
+
+def _train(args, backend, shuffler, exchange, out_dir: Path) -> list[dict]:
+    overrides = [
+        *args.overrides,
+        f"balance.shuffler={shuffler}",
+        *([f"balance.exchange={exchange}"] if shuffler == "balanced" else []),
+        f"train.steps={args.steps}",
+        f"bench.probe_every={args.probe_every}",
+        f"bench.probe_phases={str(args.breakdown).lower()}",
+        "train.checkpoint_every=0",
+        "train.tensorboard=false",
+        f"train.log_every={args.steps}",
+        f"output_dir={out_dir}",
+    ]
+    cmd = [sys.executable, "-m", "hstu.cli", "train", "--backend", backend]
+    cmd += ["--config", args.config, *overrides]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = (out_dir / "log.txt").read_text()[-3000:]
+        raise HSTUError(f"{backend} {shuffler} {exchange} failed ({proc.returncode}):\n{tail}")
+    return read_rows(out_dir / "metrics.jsonl")
+
+
+def _simulate(args, backend: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "hstu.bench.simulate", "--backend", backend]
+    cmd += ["--config", args.config, "--world", str(args.simulate_ranks)]
+    cmd += ["--batches", str(args.sim_batches), "--out", str(out), *args.overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise HSTUError(f"simulation ({backend}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def format_table(results: dict) -> str:
+    head = (
+        f"{'backend':<7}{'shuffler':<10}{'exchange':<10}{'step ms':>9}{'p90':>7}{'tok/s':>10}"
+        f"{'TF/s':>7}{'MFU':>6}{'imb FLOPs':>12}{'imb time':>13}{'bal ms':>8}{'exposed':>9}"
+        f"{'speedup':>9}{'pad':>6}{'progs':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for key, r in results.items():
+        b, s, x = key.split("/")
+        mfu = f"{100 * r['mfu']:.1f}" if r.get("mfu") is not None else "-"
+        lines.append(
+            f"{b:<7}{s:<10}{x:<10}{r['step_ms']:>9.2f}{r['step_p90_ms']:>7.1f}"
+            f"{r['tokens_per_s']:>10,.0f}{r['tflops_per_device']:>7.1f}{mfu:>6}"
+            f"{r['imbalance_flops_before']:>6.2f}>{r['imbalance_flops_after']:<5.2f}"
+            f"{r['imbalance_time_before']:>7.2f}>{r['imbalance_time_after']:<5.2f}"
+            f"{r['balancer_ms']:>8.2f}{100 * r['exposed_balancer_share']:>8.1f}%"
+            f"{r['speedup']:>8.3f}x{100 * r['padding_waste']:>5.0f}%{r['num_compiles']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def format_breakdown(key: str, r: dict) -> str:
+    lines = [f"breakdown {key} (ms)"]
+    host = r["host_ms"]
+    lines.append(
+        "  host, main thread (means): " + ", ".join(f"{p} {v:.2f}" for p, v in host.items())
+    )
+    ratio = r["host_sum_ms"] / r["step_mean_ms"] if r["step_mean_ms"] else float("nan")
+    lines.append(
+        f"  sum {r['host_sum_ms']:.2f} vs mean step {r['step_mean_ms']:.2f} "
+        f"({100 * (ratio - 1):+.1f}%)"
+    )
+    dev = r["device_ms"]
+    if all(np.isfinite(dev[p]) for p in DEVICE_PHASES):
+        busy = sum(dev[p] for p in DEVICE_PHASES)
+        lines.append(
+            "  device, one step (medians of the probes): "
+            + ", ".join(f"{p} {dev[p]:.2f}" for p in DEVICE_PHASES)
+            + f" = {busy:.2f} busy, {100 * busy / r['step_ms']:.0f}% of the median step "
+            f"{r['step_ms']:.2f} ({r['step_ms'] - busy:.2f} idle: the device waits for the host)"
+        )
+    else:
+        lines.append("  device phases: not measured (probes off, or a CPU run of torch)")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = list(results)
+    left.barh(range(len(keys)), [results[k]["step_ms"] for k in keys], color="tab:blue")
+    left.set_yticks(range(len(keys)), keys)
+    left.invert_yaxis()
+    left.set_xlabel("step time (ms, median)")
+    left.set_title("step time per run")
+    shown = [k for k in keys if results[k]["rank_compute_ms_after"] and "/balanced/" in k]
+    for i, k in enumerate(shown[:4]):
+        before = np.array(results[k]["rank_compute_ms_before"])
+        after = np.array(results[k]["rank_compute_ms_after"])
+        ranks = np.arange(len(before)) + i * (len(before) + 1)
+        right.bar(ranks - 0.2, before, 0.4, color="tab:gray", label="as loaded" if i == 0 else None)
+        right.bar(ranks + 0.2, after, 0.4, color="tab:green", label="balanced" if i == 0 else None)
+        right.text(ranks.mean(), max(before.max(), after.max()), k.split("/")[0], ha="center")
+    right.set_xlabel("rank")
+    right.set_ylabel("forward + backward alone (ms, median)")
+    right.set_title("per-rank compute time, measured")
+    if shown:
+        right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hstu bench e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="bench_upstream")
+    parser.add_argument("--backends", default="torch,jax")
+    parser.add_argument("--shufflers", default="identity,balanced")
+    parser.add_argument("--exchanges", default="allgather,all2all")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--probe-every", type=int, default=10)
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--simulate-ranks", type=int, default=0)
+    parser.add_argument("--sim-batches", type=int, default=8)
+    parser.add_argument("--skip-runs", action="store_true", help="only the simulation")
+    parser.add_argument("--out", default=None, help="default: <output_dir>/bench_e2e")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # errors here, before any run
+    backends = args.backends.split(",")
+    out = Path(args.out or Path(cfg.output_dir) / "bench_e2e")
+    out.mkdir(parents=True, exist_ok=True)
+    names = (
+        []
+        if args.skip_runs
+        else run_names(backends, args.shufflers.split(","), args.exchanges.split(","))
+    )
+    world = cfg.dist.world_size
+    results: dict[str, dict] = {}
+    for i, (b, s, x) in enumerate(names):
+        key = f"{b}/{s}/{x}"
+        t0 = time.time()
+        rows = _train(args, b, s, x, out / key.replace("/", "-"))
+        results[key] = summarize_run(rows, world)
+        ident = results.get(f"{b}/identity/-")
+        results[key]["speedup"] = ident["step_ms"] / results[key]["step_ms"] if ident else 1.0
+        r = results[key]
+        print(
+            f"[{i + 1}/{len(names)}] {key}: {r['step_ms']:.2f} ms/step "
+            f"(p90 {r['step_p90_ms']:.2f}), {r['tflops_per_device']:.1f} TFLOP/s, imbalance "
+            f"FLOPs {r['imbalance_flops_before']:.2f} -> {r['imbalance_flops_after']:.2f}, "
+            f"time {r['imbalance_time_before']:.2f} -> {r['imbalance_time_after']:.2f} "
+            f"({time.time() - t0:.0f} s)",
+            flush=True,
+        )
+    report = {"config": args.config, "overrides": args.overrides, "world_size": world}
+    report["runs"] = results
+    if results:
+        print()
+        print(f"hstu bench e2e: {args.config} {' '.join(args.overrides)}, W={world}")
+        print(format_table(results))
+        if args.breakdown:
+            for key, r in results.items():
+                print(format_breakdown(key, r))
+        plot(results, out / "e2e.png")
+    if args.simulate_ranks:
+        report["simulation"] = {}
+        for b in backends:
+            sim = _simulate(args, b, out / f"sim-{b}-W{args.simulate_ranks}.json")
+            from hstu.bench.simulate import format_simulation
+
+            real = results.get(f"{b}/balanced/allgather", {})
+            extra = real.get("device_ms", {}).get("grad_reduce", float("nan"))
+            extra_s = extra / 1e3 if np.isfinite(extra) else 0.0
+            note = f"gradient reduction measured at the real W={world}" if extra_s else ""
+            print(format_simulation(sim, extra_s, note))
+            sim["extra_s"], sim["extra_note"] = extra_s, note
+            if args.simulate_ranks == world:
+                for s in ("identity", "balanced"):
+                    key = f"{b}/{s}/" + ("-" if s == "identity" else "allgather")
+                    if key in results:
+                        proj = 1e3 * (sim[s]["projected_step_s"] + extra_s)
+                        real_ms = results[key]["step_ms"]
+                        print(
+                            f"  {key}: projected {proj:.2f} ms vs real {real_ms:.2f} ms "
+                            f"({100 * (proj / real_ms - 1):+.1f}%)"
+                        )
+            sim.pop("rows", None)
+            report["simulation"][b] = sim
+    (out / "e2e.json").write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out / 'e2e.json'}" + (f" and {out / 'e2e.png'}" if results else ""))
+    return 0

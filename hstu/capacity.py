@@ -1,0 +1,129 @@
+"""Token capacities for static-shape steps: few programs, little padding, by design.
+
+A static-shape backend (JAX; torch with CUDA graphs) pads every rank's tokens to a capacity T
+and builds one program per distinct T. Powers of two keep programs few but waste up to half the
+compute on padding; one capacity per batch wastes nothing but compiles every step. The policy
+here fixes the capacities from the config before training:
+
+* it draws `num_draws` global batches' sample lengths from the data config's distribution (the
+  same generator the data uses, lengths only), splits each as the configured shuffler would
+  (identity, or the balancer's plan), and records the largest rank's token count of each;
+* the capacities are the `num_buckets - 1` values (aligned) that minimise the mean padding of
+  those counts, each padded to the smallest capacity holding it (1-D optimal bucketing, by
+  dynamic programming); the largest draw is one of them;
+* a batch beyond every draw (rare: about one step in `num_draws`) gets a capacity `ratio` above
+  the largest, the last of the `num_buckets` programs in practice, and every batch fits.
+
+`capacity(n)` is the smallest capacity holding `n`. The expected padding falls as buckets are
+added (`hstu bench e2e` reports it as `padding_waste`). Sources whose lengths the config does
+not describe use geometric buckets (`ratio`) instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from hstu.errors import HSTUError
+
+ALIGN = 256  # capacities are multiples of this (kernel tiles, and fewer distinct shapes)
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    capacities: tuple[int, ...]  # sorted; the last holds any batch
+    ratio: float = 1.25  # growth past the last capacity (a batch the config did not foresee)
+
+    def capacity(self, num_tokens: int) -> int:
+        i = bisect.bisect_left(self.capacities, int(num_tokens))
+        if i < len(self.capacities):
+            return self.capacities[i]
+        size = self.capacities[-1] if self.capacities else ALIGN
+        while size < num_tokens:
+            size = _align(size * self.ratio)
+        return size
+
+
+def _align(n: float, align: int = ALIGN) -> int:
+    return max(align, int(-(-int(np.ceil(n)) // align) * align))
+
+
+def geometric(maximum: int, minimum: int = ALIGN, ratio: float = 1.25) -> CapacityPolicy:
+    """Capacities `minimum * ratio^k` up to `maximum` (a source of unknown lengths)."""
+    caps, size = [], _align(minimum)
+    while size < maximum:
+        caps.append(size)
+        size = _align(size * ratio)
+    caps.append(_align(maximum))
+    return CapacityPolicy(tuple(caps), ratio)
+
+
+def optimal_buckets(values: np.ndarray, k: int, align: int = ALIGN) -> tuple[int, ...]:
+    """At most `k` capacities minimising the mean padding of `values`, each value padded to
+    the smallest capacity holding it (optimal 1-D bucketing by dynamic programming over the
+    sorted, aligned values; the largest value is always a capacity)."""
+    x = np.unique([_align(v, align) for v in values])  # candidate capacities, sorted
+    counts = np.array([np.sum(_align_all(values, align) == v) for v in x], np.float64)
+    n = len(x)
+    k = min(k, n)
+    # cost(i, j): values x[i..j] (with their counts) all padded to x[j]
+    cum_c = np.concatenate([[0.0], np.cumsum(counts)])
+    cum_cx = np.concatenate([[0.0], np.cumsum(counts * x)])
+
+    def cost(i: int, j: int) -> float:
+        return x[j] * (cum_c[j + 1] - cum_c[i]) - (cum_cx[j + 1] - cum_cx[i])
+
+    best = np.full((k + 1, n), np.inf)
+    back = np.zeros((k + 1, n), np.int64)
+    for j in range(n):
+        best[1, j] = cost(0, j)
+    for b in range(2, k + 1):
+        for j in range(n):
+            for i in range(b - 1, j + 1):  # the last bucket holds x[i..j]
+                c = best[b - 1, i - 1] + cost(i, j)
+                if c < best[b, j]:
+                    best[b, j], back[b, j] = c, i
+    caps, j, b = [], n - 1, int(np.argmin(best[1:, n - 1])) + 1
+    while b >= 1 and j >= 0:
+        caps.append(int(x[j]))
+        j, b = (back[b, j] - 1, b - 1) if b > 1 else (-1, 0)
+    return tuple(sorted(caps))
+
+
+def _align_all(values, align: int = ALIGN) -> np.ndarray:
+    v = np.asarray(values, np.int64)
+    return np.maximum(align, -(-v // align) * align)
+
+
+def from_config(cfg, num_buckets: int = 8, num_draws: int = 1024, seed: int = 1) -> CapacityPolicy:
+    """Capacities for the largest rank's tokens, drawn as the run will draw them: `num_buckets
+    - 1` buckets chosen to minimise the expected padding, one left for a batch beyond every
+    draw (the policy then grows by `ratio`; `batch_size * max_seqlen` always fits)."""
+    from hstu.data.distributions import sample_lengths
+    from hstu.shuffle_plan import identity_plan, make_plan
+    from hstu.workload import HSTUCost
+
+    if num_buckets < 2:
+        raise HSTUError(f"capacity policy: num_buckets must be >= 2, got {num_buckets}")
+    d, w = cfg.data, cfg.dist.world_size
+    n = d.batch_size * w
+    rng = np.random.default_rng([seed, d.seed])
+    cost = HSTUCost.from_model_config(cfg.model)
+    balanced = cfg.balance.shuffler == "balanced" and w > 1
+    real = np.ones(n, bool)
+    maxima = np.empty(num_draws, np.int64)
+    for t in range(num_draws):
+        hist = sample_lengths(
+            d.seqlen_dist, rng, n, d.min_history, d.max_history, **d.seqlen_params
+        )
+        cand = rng.integers(d.min_candidates, d.max_candidates + 1, size=n)
+        tokens = d.num_contextual + 2 * hist + cand
+        if balanced:
+            flops = cost.flops(tokens, d.num_contextual, cand)
+            plan = make_plan(flops, real, w, cfg.balance.method)
+        else:
+            plan = identity_plan(real, w)
+        maxima[t] = tokens[plan.indices].sum(axis=1).max()
+    return CapacityPolicy(optimal_buckets(maxima, num_buckets - 1))

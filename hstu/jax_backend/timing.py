@@ -1,0 +1,113 @@
+"""Device timing of the JAX backend's compute, for `hstu bench e2e`.
+
+JAX runs a whole step as one program over the mesh, so its parts are timed as programs of their
+own, each on the devices and arrays the step uses, waited for with `block_until_ready` (median
+of repeats, after a compiling warm-up):
+
+* `RankTimer`: one rank's forward (+ backward) of its shard of a DeviceBatch, alone on its
+  device (no collective, no update): the per-rank compute time;
+* `LocalTimer`: one device standing in for W ranks (`hstu bench e2e --simulate-ranks W`): each
+  rank's local batch, padded as the W-rank run would pad it, and the optimizer update.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from hstu.batch import JaggedBatch
+from hstu.jax_backend import batch as jb
+from hstu.jax_backend import collectives as col
+from hstu.pipeline import loss_tokens
+
+
+def median_time(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def shard_on(x: jax.Array, device) -> jax.Array:
+    """The piece of `x` that lives on `device` (a rank's rows, or a replica)."""
+    return next(s.data for s in x.addressable_shards if s.device == device)
+
+
+class RankTimer:
+    """Forward (+ backward) of one rank's batch shard, alone on its device."""
+
+    def __init__(self, model):
+        def loss(params, batch, global_loss_tokens):
+            out, _ = model.apply({"params": params}, jb.local_view(batch), global_loss_tokens)
+            return out
+
+        self._forward = jax.jit(loss)
+        self._forward_backward = jax.jit(jax.value_and_grad(loss))
+
+    def time(
+        self,
+        params,
+        batch: jb.DeviceBatch,
+        device,
+        global_loss_tokens: float,
+        repeats: int = 3,
+        forward_only: bool = False,
+    ) -> float:
+        p = jax.tree.map(lambda x: shard_on(x, device), params)
+        b = jax.tree.map(lambda x: shard_on(x, device), batch)
+        fn = self._forward if forward_only else self._forward_backward
+        glt = np.float32(global_loss_tokens)
+        return median_time(lambda: fn(p, b, glt), repeats)
+
+
+class LocalTimer:
+    """One device standing in for W ranks: times each rank's local batch and the update."""
+
+    def __init__(self, cfg, device=None, repeats: int = 3):
+        from hstu.jax_backend.model import build_model
+        from hstu.jax_backend.state import init_state, make_optimizer
+        from hstu.params import init_params
+
+        self.device = device or jax.devices()[0]
+        self.cfg, self.repeats = cfg, repeats
+        self.mesh = col.make_mesh([self.device])
+        cpu = self.device.platform == "cpu"
+        self.model = build_model(cfg.model, cfg.data.max_seqlen, interpret=cpu)
+        self.optimizer = make_optimizer(cfg.train)
+        self.state = init_state(
+            init_params(cfg.model, cfg.train.seed), self.optimizer, self.mesh, cfg.train.seed
+        )
+        self.ranks = RankTimer(self.model)
+        self.device_name = "cpu" if cpu else self.device.device_kind
+
+    def time_ranks(self, local: Sequence[JaggedBatch], forward_only: bool = False) -> list[float]:
+        """Each rank's local batch, sized as the W-rank run sizes it (every rank padded to the
+        largest rank's token capacity, the shape the real step compiles for)."""
+        rank_lengths = {k: np.stack([b.lengths[k] for b in local]) for k in local[0].keys}
+        spec = jb.spec_for(local[0], rank_lengths)
+        total = float(sum(loss_tokens(b, self.cfg.model.task).sum() for b in local))
+        out = []
+        for b in local:
+            if not b.actual_batch_size:
+                out.append(0.0)
+                continue
+            placed = jb.to_device([b], col.rank_sharding(self.mesh), spec)
+            out.append(
+                self.ranks.time(
+                    self.state.params, placed, self.device, total, self.repeats, forward_only
+                )
+            )
+        return out
+
+    def time_optimizer(self) -> float:
+        from hstu.jax_backend.train_step import _zero_update
+
+        update, s = jax.jit(_zero_update(self.optimizer)), self.state
+        return median_time(lambda: update(s.params, s.opt_state), self.repeats)

@@ -1,0 +1,150 @@
+"""Where a training step's time goes, one GPU: torch.profiler / jax.profiler over a few steps.
+
+    python scripts/profile_step.py --backend {torch,jax} --config bench_upstream \
+        [--steps 14] [--profile-at 10] [--profile-steps 2] [key=value ...]
+
+Trains through the core trainer (`hstu.trainer.train`, the backend's own Backend), traces steps
+`profile-at ... profile-at + profile-steps - 1`, and prints: the per-step host times, the top
+device kernels, and the host timeline (busy time per thread and the largest gaps of the main
+thread). The trace goes to $OUT (default /tmp). Measurement aid for docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+
+
+def summarize_trace(path: str, steps: int, top: int = 25) -> None:
+    """Device kernels by total time, and every host thread's busy time (Chrome-trace JSON)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"][
+                "name"
+            ]
+    groups = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            process = names.get((e["pid"], None), e["pid"])
+            groups[f"{process} | {names.get((e['pid'], e['tid']), e['tid'])}"].append(e)
+    for where, evs in sorted(groups.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        total = collections.Counter()
+        count = collections.Counter()
+        for e in evs:
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+        # busy time: the union of this thread's intervals (nested events counted once)
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs)
+        busy, end = 0.0, -1e30
+        for a, b in spans:
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        print(f"\n== {where}: busy {busy / 1e3 / steps:.2f} ms per step")
+        for name, us in total.most_common(top):
+            print(f"  {us / 1e3 / steps:9.3f} ms/step  x{count[name] / steps:<6.1f} {name[:90]}")
+
+
+def main(argv=None):
+    from hstu import backends
+    from hstu.config import load_config
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", required=True, choices=["torch", "jax"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--profile-at", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    out_dir = os.environ.get("OUT", "/tmp")
+    run_dir = tempfile.mkdtemp(prefix="hstu-profile-")
+    cfg = load_config(
+        args.config,
+        [
+            *args.overrides,
+            "dist.world_size=1",
+            f"train.steps={args.steps}",
+            f"output_dir={run_dir}",
+        ],
+    )
+    first, last = args.profile_at, args.profile_at + args.profile_steps - 1
+    if args.backend == "torch":
+        import torch
+
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        )
+
+        def hook(step, metrics):  # metrics arrive one step late: step+1 is dispatched already
+            if step == first - 2:
+                prof.start()
+            elif step == last:
+                torch.cuda.synchronize()
+                prof.stop()
+
+
+
+        trace = os.path.join(out_dir, "torch_trace.json")
+        rows = _train_torch(cfg, hook)
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(trace)
+        trace += ".gz"
+    else:
+        import jax
+
+        trace_dir = os.path.join(out_dir, "jax_trace")
+
+        def hook(step, metrics):
+            if step == first - 2:
+                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+            elif step == last:
+                jax.effects_barrier()
+                jax.profiler.stop_trace()
+
+        rows = backends.get_train("jax")(cfg, on_step=hook)
+        trace = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True))[-1]
+    times = [1e3 * r["step_time_s"] for r in rows]
+    print("step ms:", " ".join(f"{t:.1f}" for t in times))
+    print(f"median after 3: {statistics.median(times[3:]):.2f} ms; profiled {first}..{last}")
+    summarize_trace(trace, last - first + 2)
+
+
+def _train_torch(cfg, hook):
+    """One in-process rank, with `hook` on every step's metrics."""
+    import torch
+    import torch.distributed as dist
+
+    from hstu import trainer
+    from hstu.data import source_from_config
+    from hstu.torch_backend.checkpoint import TrainCheckpointer
+    from hstu.torch_backend.train_step import TorchBackend
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1, device_id=device
+    )
+    try:
+        backend = TorchBackend(cfg, 0, 1, device)
+        ckpt = TrainCheckpointer(cfg.output_dir, backend.model, backend.optimizer, 0, 1, device)
+        return trainer.train(cfg, backend, ckpt, source_from_config(cfg), "torch", hook)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Token capacities fixed from the config: bounded programs, every batch fits, little padding."""
+
+import numpy as np
+import pytest
+
+from hstu import capacity
+from hstu.config import load_config
+from hstu.data import DataLoader, source_from_config
+
+
+def test_capacities_are_few_sorted_aligned_and_hold_any_batch(demo_cfg):
+    policy = capacity.from_config(demo_cfg, num_buckets=8)
+    caps = policy.capacities
+    assert 1 <= len(caps) <= 8 and list(caps) == sorted(set(caps))
+    assert all(c % capacity.ALIGN == 0 for c in caps)
+    assert policy.capacity(1) == caps[0] and policy.capacity(caps[-1]) == caps[-1]
+    most = demo_cfg.data.batch_size * demo_cfg.data.max_seqlen
+    assert policy.capacity(most) >= most  # past every draw: grows, still fits
+
+
+def test_optimal_buckets_minimise_padding_against_brute_force(rng):
+    import itertools
+
+    values = rng.integers(1, 12, size=40) * capacity.ALIGN
+    best = capacity.optimal_buckets(values, 3)
+    assert len(best) <= 3 and best[-1] == values.max()
+
+    def padding(caps):
+        return sum(min(c for c in caps if c >= v) - v for v in values)
+
+    candidates = sorted(set(values.tolist()))
+    brute = min(
+        padding((*combo, values.max()))
+        for r in range(0, 3)
+        for combo in itertools.combinations(candidates[:-1], r)
+    )
+    assert padding(best) == brute
+
+
+@pytest.mark.parametrize("shuffler", ["identity", "balanced"])
+def test_upstream_recipe_pads_little_with_eight_programs(shuffler):
+    """The buckets against the batches the run really draws and splits (W=2)."""
+    from hstu.pipeline import STAT_REAL, STAT_TOKENS, STAT_WORKLOAD, sample_stats
+    from hstu.shuffle_plan import identity_plan, make_plan
+    from hstu.workload import HSTUCost
+
+    cfg = load_config("bench_upstream", ["dist.world_size=2", f"balance.shuffler={shuffler}"])
+    policy = capacity.from_config(cfg, num_buckets=8)
+    cost = HSTUCost.from_model_config(cfg.model)
+    loader = DataLoader(source_from_config(cfg), cfg.data.batch_size, 2, [0, 1])
+    waste = []
+    for _ in range(40):
+        stats = sample_stats(next(loader), cost, "ranking")
+        real = stats[:, STAT_REAL].astype(bool)
+        plan = (
+            make_plan(stats[:, STAT_WORKLOAD], real, 2)
+            if shuffler == "balanced"
+            else identity_plan(real, 2)
+        )
+        largest = int(stats[:, STAT_TOKENS][plan.indices].sum(axis=1).max())
+        waste.append(policy.capacity(largest) / largest - 1)
+    assert len(policy.capacities) <= 7  # the 8th program: a batch beyond every draw
+    assert min(waste) >= 0 and np.mean(waste) < 0.15
+
+
+def test_geometric_policy_for_unknown_lengths():
+    policy = capacity.geometric(10_000, ratio=1.5)
+    assert policy.capacities[-1] >= 10_000
+    ratios = np.diff(policy.capacities) / np.array(policy.capacities[:-1])
+    assert np.all(ratios <= 0.5 + capacity.ALIGN / policy.capacities[0])

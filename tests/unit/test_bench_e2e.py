@@ -1,0 +1,90 @@
+"""`hstu bench e2e` on CPU, both backends: every field written, the breakdown adds up, the
+simulation runs and agrees with what the runs measured."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hstu import backends
+from hstu.cli import main
+from hstu.pipeline import HOST_PHASES
+
+for _name in ("torch", "jax"):
+    _ok, _why = backends.available(_name)
+    if not _ok:
+        pytest.skip(_why, allow_module_level=True)
+
+RUN_FIELDS = {
+    "steps",
+    "steps_timed",
+    "step_ms",
+    "step_p90_ms",
+    "step_mean_ms",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "imbalance_flops_before",
+    "imbalance_flops_after",
+    "imbalance_time_before",
+    "imbalance_time_after",
+    "rank_compute_ms_before",
+    "rank_compute_ms_after",
+    "balancer_ms",
+    "exposed_balancer_ms",
+    "exposed_balancer_share",
+    "padding_waste",
+    "num_compiles",
+    "loss_last",
+    "host_ms",
+    "host_sum_ms",
+    "device_ms",
+    "speedup",
+}
+
+
+@pytest.mark.multirank
+def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
+    argv = [
+        *("bench", "e2e", "--config", "demo", "--exchanges", "allgather"),
+        *("--steps", "9", "--probe-every", "3", "--breakdown", "--simulate-ranks", "2"),
+        *("--out", str(tmp_path)),
+        *("dist.world_size=2", "model.num_layers=1", "data.batch_size=6", "data.max_history=32"),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert report["world_size"] == 2
+    assert sorted(report["runs"]) == [
+        "jax/balanced/allgather",
+        "jax/identity/-",
+        "torch/balanced/allgather",
+        "torch/identity/-",
+    ]
+    for key, r in report["runs"].items():
+        assert set(r) == RUN_FIELDS, (key, set(r) ^ RUN_FIELDS)
+        assert r["mfu"] is None  # no known peak on a CPU
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["steps_timed"] >= 3
+        # the host phases are the step as the host sees it: they account for it exactly
+        assert set(r["host_ms"]) == set(HOST_PHASES)
+        assert r["host_sum_ms"] == pytest.approx(r["step_mean_ms"], rel=1e-6)
+        # probes measured every rank, before and after the shuffle
+        assert len(r["rank_compute_ms_before"]) == len(r["rank_compute_ms_after"]) == 2
+        assert all(t > 0 for t in r["rank_compute_ms_after"])
+        assert r["imbalance_time_before"] >= 1.0 and r["imbalance_time_after"] >= 1.0
+        if "/balanced/" in key:
+            assert r["imbalance_flops_after"] < r["imbalance_flops_before"]
+            assert r["balancer_ms"] > 0
+    for key in ("jax/identity/-", "jax/balanced/allgather"):
+        dev = report["runs"][key]["device_ms"]
+        assert all(np.isfinite(dev[p]) and dev[p] >= 0 for p in dev), dev
+    for b in ("torch", "jax"):
+        sim = report["simulation"][b]
+        assert sim["world"] == 2
+        assert sim["balanced"]["imbalance_flops"] < sim["identity"]["imbalance_flops"]
+        assert sim["identity"]["projected_step_s"] > 0 and sim["projected_speedup"] > 0
+    assert "projected balanced speedup at W=2" in printed
+    assert "breakdown torch/balanced/allgather" in printed
+    assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
