@@ -12,7 +12,8 @@ rank, e.g. a table no sample of that rank touches, contributes zeros), as in the
   (`all_reduce(async_op=True)`) once every bucket before it is launched, so the collective order
   is the bucket order on every rank, whatever order its gradients finish in.
 * `finish()` launches what is left in order and makes the compute stream wait for the
-  reductions (no host sync on NCCL). With one rank nothing is launched at all.
+  reductions (no host sync on NCCL). With one rank nothing is launched, and autograd keeps
+  its own gradients (accumulating into views costs a kernel per parameter).
 """
 
 from __future__ import annotations
@@ -56,15 +57,23 @@ class GradBuckets:
                 p = self.params[i]
                 self.views[i] = self.buffers[b][offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-        self.hooks = [
-            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)
-        ]
+        # One rank reduces nothing: autograd keeps its own gradients (no accumulation into
+        # views, no hooks), and `finish` only fills in the gradients it did not produce.
+        self.hooks = (
+            [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+            if world_size > 1
+            else []
+        )
         self._remaining: list[int] = []
         self._next = 0
         self._works: list = []
 
     def start(self) -> None:
         """Before backward: zeroed gradient views, nothing launched."""
+        if self.world_size == 1:
+            for p in self.params:
+                p.grad = None
+            return
         for buf in self.buffers:
             buf.zero_()
         for i, p in enumerate(self.params):
@@ -95,6 +104,15 @@ class GradBuckets:
 
     def finish(self) -> torch.Tensor:
         """After backward: the reduced gradients are in place; returns their global norm."""
+        if self.world_size == 1:
+            grads = [
+                p.grad if p.grad is not None else self.views[i] for i, p in enumerate(self.params)
+            ]
+            for i, p in enumerate(self.params):
+                if p.grad is None:  # not reached by autograd: a zero gradient, as with W ranks
+                    self.views[i].zero_()
+                    p.grad = self.views[i]
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         self._launch_ready(force=True)
         for work in self._works:
             work.wait()  # the current stream waits for the reduction; the host does not

@@ -189,8 +189,10 @@ class HSTUModel(nn.Module):
         seq = {
             "offsets": offsets,
             "max_seqlen": tb.max_seqlen,
-            "num_contextual": c,
-            "num_candidates": k,
+            # int32 once per step: what the kernel reads (else every layer casts, forward and
+            # backward)
+            "num_contextual": c.to(torch.int32),
+            "num_candidates": k.to(torch.int32),
             "timestamps": times,
             "pos_item": pos_item,
             "pos_cand": pos_cand,
