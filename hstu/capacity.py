@@ -8,15 +8,16 @@ here fixes the capacities from the config before training:
 * it draws `num_draws` global batches' sample lengths from the data config's distribution (the
   same generator the data uses, lengths only), splits each as the configured shuffler would
   (identity, or the balancer's plan), and records the largest rank's token count of each;
-* the capacities are the `num_buckets - 1` values (aligned) that minimise the mean padding of
-  those counts, each padded to the smallest capacity holding it (1-D optimal bucketing, by
+* the capacities are the `num_buckets - 1` values (aligned) that minimise the mean relative
+  padding of those counts, each padded to the smallest capacity holding it (1-D optimal bucketing, by
   dynamic programming); the largest draw is one of them;
 * a batch beyond every draw (rare: about one step in `num_draws`) gets a capacity `ratio` above
   the largest, the last of the `num_buckets` programs in practice, and every batch fits.
 
 `capacity(n)` is the smallest capacity holding `n`. The expected padding falls as buckets are
-added (`hstu bench e2e` reports it as `padding_waste`). Sources whose lengths the config does
-not describe use geometric buckets (`ratio`) instead.
+added (`hstu bench e2e` reports it as `padding_waste`). A prepared dataset draws its samples'
+sizes from the dataset itself (`from_prepared`); other sources, whose lengths nothing
+describes, use geometric buckets (`ratio`). `for_source` picks among the three.
 """
 
 from __future__ import annotations
@@ -61,19 +62,20 @@ def geometric(maximum: int, minimum: int = ALIGN, ratio: float = 1.25) -> Capaci
 
 
 def optimal_buckets(values: np.ndarray, k: int, align: int = ALIGN) -> tuple[int, ...]:
-    """At most `k` capacities minimising the mean padding of `values`, each value padded to
-    the smallest capacity holding it (optimal 1-D bucketing by dynamic programming over the
-    sorted, aligned values; the largest value is always a capacity)."""
+    """At most `k` capacities minimising the mean relative padding (capacity / value - 1) of
+    `values`, each value padded to the smallest capacity holding it (optimal 1-D bucketing by
+    dynamic programming over the sorted, aligned values; the largest is always a capacity)."""
     x = np.unique([_align(v, align) for v in values])  # candidate capacities, sorted
     counts = np.array([np.sum(_align_all(values, align) == v) for v in x], np.float64)
     n = len(x)
     k = min(k, n)
-    # cost(i, j): values x[i..j] (with their counts) all padded to x[j]
+    # cost(i, j): the relative padding (cap / x - 1, what `padding_waste` reports) of values
+    # x[i..j], with their counts, all padded to x[j]
     cum_c = np.concatenate([[0.0], np.cumsum(counts)])
-    cum_cx = np.concatenate([[0.0], np.cumsum(counts * x)])
+    cum_c_over_x = np.concatenate([[0.0], np.cumsum(counts / x)])
 
     def cost(i: int, j: int) -> float:
-        return x[j] * (cum_c[j + 1] - cum_c[i]) - (cum_cx[j + 1] - cum_cx[i])
+        return x[j] * (cum_c_over_x[j + 1] - cum_c_over_x[i]) - (cum_c[j + 1] - cum_c[i])
 
     best = np.full((k + 1, n), np.inf)
     back = np.zeros((k + 1, n), np.int64)
@@ -102,6 +104,53 @@ def from_config(cfg, num_buckets: int = 8, num_draws: int = 1024, seed: int = 1)
     - 1` buckets chosen to minimise the expected padding, one left for a batch beyond every
     draw (the policy then grows by `ratio`; `batch_size * max_seqlen` always fits)."""
     from hstu.data.distributions import sample_lengths
+
+    d = cfg.data
+
+    def draw(rng, n):
+        hist = sample_lengths(
+            d.seqlen_dist, rng, n, d.min_history, d.max_history, **d.seqlen_params
+        )
+        return hist, rng.integers(d.min_candidates, d.max_candidates + 1, size=n)
+
+    return _fitted(cfg, draw, d.num_contextual, num_buckets, num_draws, seed)
+
+
+def from_prepared(
+    cfg, dataset, num_buckets: int = 8, num_draws: int = 1024, seed: int = 1
+) -> CapacityPolicy:
+    """`from_config` for a prepared dataset (`hstu.data.prepared.PreparedDataset`): each
+    global batch is `W * B` samples drawn from the dataset's own sizes (an epoch's order is a
+    uniform permutation, so a batch is a uniform draw without replacement)."""
+    hist_all, cand_all = dataset.sample_sizes()
+    if len(hist_all) == 0:
+        return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+
+    def draw(rng, n):
+        pick = rng.choice(len(hist_all), size=n, replace=n > len(hist_all))
+        return hist_all[pick], cand_all[pick]
+
+    return _fitted(cfg, draw, dataset.num_contextual, num_buckets, num_draws, seed)
+
+
+def for_source(cfg, source) -> CapacityPolicy:
+    """The policy of a run's sample source: the synthetic stream `cfg.data` describes
+    (`from_config`), a prepared dataset (`from_prepared`), or geometric buckets for any other
+    source (a custom one, a tampered test stream) up to `batch_size * max_seqlen`."""
+    from hstu.data.prepared import PreparedDataset
+    from hstu.data.synthetic import SampleSpec, SyntheticSamples
+
+    inner = getattr(source, "inner", source)  # launch_checks.CheckedSource wraps it
+    if isinstance(inner, PreparedDataset):
+        return from_prepared(cfg, inner)
+    if isinstance(inner, SyntheticSamples) and inner.spec == SampleSpec.from_config(cfg):
+        return from_config(cfg)
+    return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+
+
+def _fitted(cfg, draw, num_contextual, num_buckets, num_draws, seed) -> CapacityPolicy:
+    """Fit the buckets to `num_draws` global batches of `draw(rng, W * B) -> (history
+    events, candidates)` per sample, split as the configured shuffler splits them."""
     from hstu.shuffle_plan import identity_plan, make_plan
     from hstu.workload import HSTUCost
 
@@ -115,15 +164,25 @@ def from_config(cfg, num_buckets: int = 8, num_draws: int = 1024, seed: int = 1)
     real = np.ones(n, bool)
     maxima = np.empty(num_draws, np.int64)
     for t in range(num_draws):
-        hist = sample_lengths(
-            d.seqlen_dist, rng, n, d.min_history, d.max_history, **d.seqlen_params
-        )
-        cand = rng.integers(d.min_candidates, d.max_candidates + 1, size=n)
-        tokens = d.num_contextual + 2 * hist + cand
+        hist, cand = draw(rng, n)
+        tokens = num_contextual + 2 * hist + cand
         if balanced:
-            flops = cost.flops(tokens, d.num_contextual, cand)
+            flops = cost.flops(tokens, num_contextual, cand)
             plan = make_plan(flops, real, w, cfg.balance.method)
         else:
             plan = identity_plan(real, w)
         maxima[t] = tokens[plan.indices].sum(axis=1).max()
     return CapacityPolicy(optimal_buckets(maxima, num_buckets - 1))
+
+
+def for_source(cfg, source=None) -> CapacityPolicy:
+    """The policy for the samples a run reads: drawn from the config when they are the config's
+    synthetic samples (also behind wrappers that keep the original as `.inner`), geometric
+    buckets up to the largest possible batch otherwise."""
+    from hstu.data.synthetic import SyntheticSamples
+
+    while source is not None and not isinstance(source, SyntheticSamples):
+        source = getattr(source, "inner", None)
+        if source is None:
+            return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+    return from_config(cfg)

@@ -223,11 +223,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=devices[0].platform == "cpu")
     optimizer = make_optimizer(tc)
     state = init_state(init_params(cfg.model, tc.seed), optimizer, mesh, tc.seed)
-    policy = (
-        capacity.from_config(cfg)
-        if source is None
-        else capacity.geometric(cfg.data.batch_size * cfg.data.max_seqlen)
-    )
+    policy = capacity.for_source(cfg, source)
     backend = JaxBackend(
         JaxShuffler(mesh, cfg.balance.exchange, policy.capacity),
         make_train_step(model, optimizer, mesh),
