@@ -314,8 +314,8 @@ def run(
     the batch after it, waiting for step i): in steady state one step period (step 0's holds
     the start-up, the last one only its wait). `host_s` splits it into HOST_PHASES exactly.
     `after_dispatch(step)` runs right after a step's update is dispatched and before the next
-    step touches the state (checkpoints go there; returning True marks the next step's time as
-    `perturbed`); `on_step(step, metrics)` when its metrics arrive. `probe(step, prepared)`
+    step touches the state (checkpoints go there; returning True marks the row whose time holds
+    it, step - 1's, as `perturbed`); `on_step(step, metrics)` when its metrics arrive. `probe(step, prepared)`
     (benchmarks) may measure a finished step on the devices; what it returns joins that step's
     metrics, and the following step, whose period holds the measurement, is `perturbed`.
     Every rank must make the same `after_dispatch` and `probe` calls (they may be collective).
@@ -408,7 +408,7 @@ def run(
             if pending is not None:
                 fetched = (fetch(*pending), pending[2])
             if after_dispatch and after_dispatch(step):
-                perturbed.add(step + 1)
+                perturbed.add(step - 1)  # this iteration's time is the previous step's row
             clock.lap("checkpoint")
             if fetched is not None:
                 emit(*fetched, clock.take())

@@ -222,3 +222,22 @@ def test_model_checks_run_on_the_host_before_any_collective(demo_cfg):
             check=check,
         )
     assert checked == [0, 1] and backend.calls == []
+
+
+def test_rows_whose_time_holds_a_save_or_a_probe_are_marked(demo_cfg):
+    """A row's time is the iteration in which its metrics arrive: a save after dispatching
+    step s lands in row s - 1, a probe of row s in row s + 1."""
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = pipeline.run(
+        NumpyBackend(2),
+        batches_of(demo_cfg, 2),
+        6,
+        cost,
+        "ranking",
+        after_dispatch=lambda step: step == 4,
+        probe=lambda step, prepared: {"probed": True} if step == 1 else None,
+    )
+    assert [r["step"] for r in rows if r["perturbed"]] == [2, 3]
+    assert rows[1]["probed"] and all(set(r["host_s"]) == set(pipeline.HOST_PHASES) for r in rows)
+    for r in rows:
+        assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
