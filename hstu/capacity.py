@@ -9,8 +9,8 @@ here fixes the capacities from the config before training:
   same generator the data uses, lengths only), splits each as the configured shuffler would
   (identity, or the balancer's plan), and records the largest rank's token count of each;
 * the capacities are the `num_buckets - 1` values (aligned) that minimise the mean relative
-  padding of those counts, each padded to the smallest capacity holding it (1-D optimal bucketing, by
-  dynamic programming); the largest draw is one of them;
+  padding of those counts, each padded to the smallest capacity holding it (1-D optimal
+  bucketing, by dynamic programming); the largest draw is one of them;
 * a batch beyond every draw (rare: about one step in `num_draws`) gets a capacity `ratio` above
   the largest, the last of the `num_buckets` programs in practice, and every batch fits.
 
@@ -133,21 +133,6 @@ def from_prepared(
     return _fitted(cfg, draw, dataset.num_contextual, num_buckets, num_draws, seed)
 
 
-def for_source(cfg, source) -> CapacityPolicy:
-    """The policy of a run's sample source: the synthetic stream `cfg.data` describes
-    (`from_config`), a prepared dataset (`from_prepared`), or geometric buckets for any other
-    source (a custom one, a tampered test stream) up to `batch_size * max_seqlen`."""
-    from hstu.data.prepared import PreparedDataset
-    from hstu.data.synthetic import SampleSpec, SyntheticSamples
-
-    inner = getattr(source, "inner", source)  # launch_checks.CheckedSource wraps it
-    if isinstance(inner, PreparedDataset):
-        return from_prepared(cfg, inner)
-    if isinstance(inner, SyntheticSamples) and inner.spec == SampleSpec.from_config(cfg):
-        return from_config(cfg)
-    return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
-
-
 def _fitted(cfg, draw, num_contextual, num_buckets, num_draws, seed) -> CapacityPolicy:
     """Fit the buckets to `num_draws` global batches of `draw(rng, W * B) -> (history
     events, candidates)` per sample, split as the configured shuffler splits them."""
@@ -177,12 +162,16 @@ def _fitted(cfg, draw, num_contextual, num_buckets, num_draws, seed) -> Capacity
 
 def for_source(cfg, source=None) -> CapacityPolicy:
     """The policy for the samples a run reads: drawn from the config when they are the config's
-    synthetic samples (also behind wrappers that keep the original as `.inner`), geometric
-    buckets up to the largest possible batch otherwise."""
+    synthetic samples, from the dataset when they are a prepared dataset (either also behind
+    wrappers that keep the original as `.inner`), geometric buckets up to the largest possible
+    batch otherwise."""
+    from hstu.data.prepared import PreparedDataset
     from hstu.data.synthetic import SyntheticSamples
 
-    while source is not None and not isinstance(source, SyntheticSamples):
+    while source is not None and not isinstance(source, (SyntheticSamples, PreparedDataset)):
         source = getattr(source, "inner", None)
         if source is None:
             return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+    if isinstance(source, PreparedDataset):
+        return from_prepared(cfg, source)
     return from_config(cfg)

@@ -34,6 +34,69 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from hstu import backends
+    from hstu.config import load_config
+    from hstu.convert import backend_convert, find_run_config
+    from hstu.data.sources import open_prepared
+    from hstu.eval_loop import baseline_metrics, evaluate, format_table
+
+    config = args.config or find_run_config(args.checkpoint)
+    if config is None:
+        raise HSTUError(
+            f"no --config given and no config.yaml found above {args.checkpoint}: pass the "
+            "recipe the checkpoint was trained with"
+        )
+    cfg = load_config(config, args.overrides)
+    if cfg.data.source != "prepared":
+        raise HSTUError(
+            "hstu eval needs held-out data: data.source=prepared data.path=DIR (the run's "
+            f"config has data.source={cfg.data.source})"
+        )
+    dataset = open_prepared(cfg)
+    ok, why = backends.available(args.backend)
+    if not ok:
+        raise HSTUError(why)
+    state = backend_convert(args.backend).read_portable(Path(args.checkpoint), cfg)
+    state.validate(cfg.model)
+    scorer = backend_evaluate(args.backend).from_params(cfg, state.params, cfg.dist.device)
+    max_users = cfg.eval.test_max_users if args.max_users is None else args.max_users
+    results = evaluate(scorer, dataset, cfg, args.split, max_users)
+    base = baseline_metrics(dataset, cfg, args.split, max_users) if args.baselines else {}
+    title = f"{args.split} metrics ({args.backend} backend, {state.source}, step {state.step})"
+    print(format_table(results, title, base))
+    if args.out:
+        report = {
+            "split": args.split,
+            "backend": args.backend,
+            "checkpoint": state.source,
+            "step": state.step,
+            "dataset": dataset.manifest.dataset,
+            "metrics": results,
+            "baselines": base,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def backend_evaluate(name: str):
+    """`hstu.<name>_backend.evaluate` (imported on demand: the core never imports it)."""
+    import importlib
+
+    return importlib.import_module(f"hstu.{name}_backend.evaluate")
+
+
+def _data(args: argparse.Namespace) -> int:
+    from hstu.data.prepare import main as prepare_main
+
+    return prepare_main(args.rest)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from hstu.config import load_config
     from hstu.convert import convert, describe, find_run_config
@@ -106,6 +169,45 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="demo", help="recipe file or name (default: demo)")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(func=_train)
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint on a prepared dataset's held-out split",
+        description="Evaluate CHECKPOINT (a run directory, checkpoints root, step-N folder, or "
+        "a parameters file) of the given backend on the valid or test split of the run's "
+        "prepared dataset (data.path): the eval.* metrics, with popularity / random baselines. "
+        "key=value arguments override the config (default: config.yaml above CHECKPOINT).",
+    )
+    evaluate.add_argument("--backend", required=True, choices=["torch", "jax"])
+    evaluate.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR")
+    evaluate.add_argument(
+        "--config", default=None, help="the run's recipe (default: config.yaml above it)"
+    )
+    evaluate.add_argument("--split", default="test", choices=["valid", "test"])
+    evaluate.add_argument(
+        "--max-users",
+        type=int,
+        default=None,
+        help="the first N users (default eval.test_max_users)",
+    )
+    evaluate.add_argument(
+        "--no-baselines", dest="baselines", action="store_false", help="skip the baselines"
+    )
+    evaluate.add_argument("--out", default=None, help="also write the results to this JSON file")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value")
+    evaluate.set_defaults(func=_eval)
+
+    data = sub.add_parser(
+        "data",
+        help="datasets: `hstu data prepare --dataset NAME --src DIR --out DIR`",
+        description="prepare: convert a dataset as its publisher ships it (ml-1m, ml-20m, "
+        "kuairand-pure, kuairand-1k, seq-txt) into the memory-mapped format that "
+        "data.source=prepared data.path=DIR trains on. `hstu data prepare --help` for options.",
+        add_help=True,
+    )
+    data.add_argument("action", choices=["prepare"])
+    data.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of `prepare`")
+    data.set_defaults(func=_data)
 
     convert = sub.add_parser(
         "convert",

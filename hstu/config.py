@@ -28,6 +28,8 @@ def _opt(default: Any, doc: str) -> Any:
     """A config field with its one-line description."""
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata={"doc": doc})
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 
@@ -73,6 +75,7 @@ class ModelConfig:
     num_negatives: int = _opt(16, "retrieval: sampled negatives per target")
     retrieval_temperature: float = _opt(0.05, "retrieval: softmax temperature")
     dtype: str = _opt("float32", "compute dtype of the HSTU stack: float32 | bfloat16 | float16")
+
     def validate(self) -> None:
         p = "model."
         _positive(self, p, "embedding_dim", "num_layers", "num_heads", "attention_dim")
@@ -105,7 +108,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _opt("synthetic", "where samples come from: synthetic")
+    source: str = _opt(
+        "synthetic", "where samples come from: synthetic | prepared (`hstu data prepare` output)"
+    )
+    path: str = _opt("", "data.source=prepared: the prepared dataset's directory")
     seed: int = _opt(0, "seed of the data (sample s is drawn from (seed, s))")
     batch_size: int = _opt(8, "samples per rank and step (padded)")
     num_samples: int = _opt(
@@ -125,7 +131,9 @@ class DataConfig:
 
     def validate(self) -> None:
         p = "data."
-        _one_of(p + "source", self.source, ("synthetic",))
+        _one_of(p + "source", self.source, ("synthetic", "prepared"))
+        if self.source == "prepared":
+            _check(bool(self.path), p + "path", self.path, "data.source=prepared needs a path")
         _positive(self, p, "batch_size")
         _positive(self, p, "num_samples", "num_contextual", "prefetch", allow_zero=True)
         _check(
@@ -175,12 +183,15 @@ class TrainConfig:
         600.0,
         "no step finished for this long: dump every thread's stack and stop the run (0: off)",
     )
+    eval_every: int = _opt(
+        0, "evaluate on the validation split every N steps (data.source=prepared; 0: never)"
+    )
 
     def validate(self) -> None:
         p = "train."
         _positive(self, p, "steps", "lr", "log_every", "keep_checkpoints", "eps")
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
-        _positive(self, p, "watchdog_s", allow_zero=True)
+        _positive(self, p, "watchdog_s", "eval_every", allow_zero=True)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
@@ -239,6 +250,81 @@ class BenchConfig:
         _positive(self, "bench.", "probe_repeats")
 
 
+EVAL_FAMILIES = {  # eval.metrics entry -> the model task it needs
+    "full": "retrieval",  # HR/NDCG@K, MRR over every item, the user's seen items filtered
+    "sampled": "retrieval",  # the same against eval.num_negatives sampled unseen items
+    "auc": "ranking",  # ROC AUC per task of the ranking head's logits
+    "ne": "ranking",  # normalized entropy per task
+}
+
+
+@dataclass
+class EvalConfig:
+    metrics: list = _opt(
+        [],
+        "families to compute: full, sampled (retrieval), auc, ne (ranking); []: by model.task",
+    )
+    ks: list = _opt([1, 10, 50, 200], "cut-offs K of HR@K and NDCG@K")
+    num_negatives: int = _opt(100, "sampled: unseen items the target competes with (SASRec)")
+    max_users: int = _opt(0, "validation during training: the first N evaluation users (0: all)")
+    test_max_users: int = _opt(0, "the final test and `hstu eval`: the first N users (0: all)")
+    batch_size: int = _opt(128, "evaluation users per forward pass")
+    early_stop_metric: str = _opt(
+        "", "stop on this validation metric, e.g. full/ndcg@10 or auc/is_click ('': never)"
+    )
+    patience: int = _opt(3, "early stopping: evaluations without improvement before stopping")
+    final_test: bool = _opt(
+        True, "data.source=prepared: evaluate the test split at the end (eval_test.json)"
+    )
+    baselines: bool = _opt(True, "also report popularity and random baselines on the test split")
+
+    def validate(self) -> None:
+        p = "eval."
+        _positive(self, p, "num_negatives", "batch_size", "patience")
+        _positive(self, p, "max_users", "test_max_users", allow_zero=True)
+        for name, choices in (("metrics", tuple(EVAL_FAMILIES)), ("ks", None)):
+            value = getattr(self, name)
+            _check(isinstance(value, list), p + name, value, "must be a list")
+            for item in value:
+                if choices:
+                    _one_of(p + name, item, choices)
+                else:
+                    ok = isinstance(item, int) and not isinstance(item, bool) and item > 0
+                    _check(ok, p + name, value, "must hold integers > 0")
+        _check(bool(self.ks), p + "ks", self.ks, "must not be empty")
+
+    def families(self, task: str) -> list[str]:
+        """The metric families evaluated for a model of `task`."""
+        return list(self.metrics) or [f for f, t in EVAL_FAMILIES.items() if t == task]
+
+    def check_task(self, task: str) -> None:
+        for family in self.families(task):
+            need = EVAL_FAMILIES[family]
+            _check(
+                need == task,
+                "eval.metrics",
+                self.metrics,
+                f"{family} needs a {need} model (model.task={task})",
+            )
+        metric = self.early_stop_metric
+        if metric:
+            family = metric.split("/")[0]
+            _check(
+                family in self.families(task),
+                "eval.early_stop_metric",
+                metric,
+                f"must be <family>/<name> with a family of {self.families(task)}",
+            )
+            if family in ("full", "sampled"):
+                names = [f"{m}@{k}" for m in ("hr", "ndcg") for k in self.ks] + ["mrr"]
+                _check(
+                    metric.split("/", 1)[1] in names,
+                    "eval.early_stop_metric",
+                    metric,
+                    f"after '{family}/' must come one of {names}",
+                )
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "the HSTU model"})
@@ -251,11 +337,29 @@ class Config:
     bench: BenchConfig = field(
         default_factory=BenchConfig, metadata={"doc": "measurements for hstu bench e2e"}
     )
+    eval: EvalConfig = field(
+        default_factory=EvalConfig, metadata={"doc": "offline evaluation (prepared data)"}
+    )
     output_dir: str = _opt("runs/demo", "where config.yaml, metrics and checkpoints go")
 
     def validate(self) -> Config:
-        for sub in (self.model, self.data, self.train, self.dist, self.balance, self.bench):
+        subs = (self.model, self.data, self.train, self.dist, self.balance, self.bench, self.eval)
+        for sub in subs:
             sub.validate()
+        self.eval.check_task(self.model.task)
+        if self.data.source != "prepared":
+            _check(
+                not self.train.eval_every,
+                "train.eval_every",
+                self.train.eval_every,
+                "evaluation needs held-out data: data.source=prepared",
+            )
+            _check(
+                not self.eval.early_stop_metric,
+                "eval.early_stop_metric",
+                self.eval.early_stop_metric,
+                "evaluation needs held-out data: data.source=prepared",
+            )
         return self
 
     def to_dict(self) -> dict:
@@ -287,7 +391,13 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if not math.isfinite(value):
             raise HSTUError(f"config: {name}={value!r} is invalid: must be a finite number")
         return float(value)
-    expected = {bool: "true/false", int: "an integer", str: "a string", dict: "a mapping"}
+    expected = {
+        bool: "true/false",
+        int: "an integer",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+    }
     if typ in expected:
         ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
         if not ok:

@@ -1,6 +1,7 @@
 """What both launchers check and set up before any rank starts, and around each rank.
 
-* `preflight(cfg, backend)`: the config, `output_dir` (a directory this process can write) and
+* `preflight(cfg, backend)`: the config, a prepared dataset against its manifest
+  (`hstu.data.sources.check_prepared`), `output_dir` (a directory this process can write) and
   `dist.world_size` against what the machine can run; raised in the launching process, before
   a process is spawned or a device is configured.
 * `die_with_parent()`: a rank process ends when its launcher does (Linux parent-death signal),
@@ -95,6 +96,10 @@ def preflight(cfg, backend: str, local_world_size: int | None = None) -> None:
     `local_world_size`: the CPU ranks this process or machine would start (default: all of
     `dist.world_size`; None skips the bound, e.g. under torchrun, which decides the world)."""
     cfg.validate()
+    if cfg.data.source == "prepared":
+        from hstu.data.sources import check_prepared
+
+        check_prepared(cfg)
     check_output_dir(cfg.output_dir)
     check_fresh_run(cfg)
     if local_world_size is not None and cfg.dist.device in ("auto", "cpu"):

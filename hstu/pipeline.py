@@ -300,6 +300,7 @@ def run(
     check: Callable[[JaggedBatch, int], None] | None = None,
     after_dispatch: Callable[[int], bool | None] | None = None,
     probe: Callable[[int, Prepared], dict | None] | None = None,
+    should_stop: Callable[[int], bool] | None = None,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
     `batches` yields this process's per-rank batches per step.
@@ -315,10 +316,14 @@ def run(
     the start-up, the last one only its wait). `host_s` splits it into HOST_PHASES exactly.
     `after_dispatch(step)` runs right after a step's update is dispatched and before the next
     step touches the state (checkpoints go there; returning True marks the row whose time holds
-    it, step - 1's, as `perturbed`); `on_step(step, metrics)` when its metrics arrive. `probe(step, prepared)`
-    (benchmarks) may measure a finished step on the devices; what it returns joins that step's
-    metrics, and the following step, whose period holds the measurement, is `perturbed`.
-    Every rank must make the same `after_dispatch` and `probe` calls (they may be collective).
+    it, step - 1's, as `perturbed`); `on_step(step, metrics)` when its metrics arrive.
+    `probe(step, prepared)` (benchmarks) may measure a finished step on the devices; what it
+    returns joins that step's metrics, and the following step, whose period holds the
+    measurement, is `perturbed`.
+    `should_stop(step)`, asked after `after_dispatch`: True ends the run after that step (its
+    metrics still arrive; the batch already prepared for the next step is dropped).
+    Every rank must make the same `after_dispatch` and `probe` calls (they may be collective)
+    and get the same `should_stop` answers.
     """
     balancer = Balancer(backend, shuffler, method, overlap)
 
@@ -415,6 +420,8 @@ def run(
                 fetched = None
             pending = (step, out, current)
             current = following
+            if should_stop is not None and should_stop(step):
+                break
         if pending is not None:
             metrics = fetch(*pending)
             emit(metrics, pending[2], clock.take())

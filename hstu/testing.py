@@ -81,3 +81,39 @@ def block_backends() -> None:
 def has_nvidia_gpu() -> bool:
     """An NVIDIA GPU is there (decided without importing a framework)."""
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def prepared_overrides(path: str | Path, task: str = "retrieval", out: str | Path = "") -> list:
+    """Overrides that train a tiny model on a generated prepared dataset (the tests' sample,
+    `tests/conftest.py::prepared_data`): one layer, d = 32, histories of up to 30 events."""
+    common = [
+        "data.source=prepared",
+        f"data.path={path}",
+        "dist.world_size=1",
+        "data.batch_size=32",
+        "data.max_history=30",
+        "model.num_layers=1",
+        "model.embedding_dim=32",
+        "model.num_items=300",
+        "train.log_every=1000",
+        "train.tensorboard=false",
+        "eval.max_users=200",
+    ] + ([f"output_dir={out}"] if out else [])
+    if task == "retrieval":  # ml-1m: ratings as actions, no user features
+        return common + [
+            "model.task=retrieval",
+            "model.num_actions=10",
+            "model.num_negatives=32",
+            "data.num_contextual=0",
+            "train.lr=0.01",
+            "eval.ks=[10]",
+        ]
+    return common + [  # kuairand-pure: flag bitmasks as actions, 8 user features
+        "model.task=ranking",
+        "model.num_tasks=2",
+        "model.num_actions=256",
+        "model.num_contextual_ids=64",
+        "data.num_contextual=8",
+        "data.max_candidates=4",
+        "train.lr=0.003",
+    ]

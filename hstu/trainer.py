@@ -20,7 +20,10 @@ Behaviour every backend shares (tests hold both to it):
 * the resolved config is printed and saved by the logging process only, after the launcher
   has fixed the world size;
 * every batch is validated and checked against the model (`check_model_inputs`) on the host,
-  before any collective.
+  before any collective;
+* with a prepared dataset (`data.source=prepared`): an evaluation on the validation split every
+  `train.eval_every` steps, early stopping, and the final test (`hstu.eval_loop`: it runs on
+  the logging process, and every rank meets at one collective per evaluation).
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class TrainBackend(pipeline.Backend, Protocol):
         `compute_s_before` / `compute_s_after`, every rank's forward + backward of its batch as
         loaded and as balanced, each alone on its device, and (`phases`) `device_s`, the step's
         phases."""
+
+    def evaluator(self):
+        """The logging process's `hstu.eval_loop.Scorer` of the live model (eval mode)."""
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        """Collective: the logging process's `flag` on every rank."""
 
 
 def data_state(position: int) -> dict:
@@ -118,6 +127,13 @@ def train(
         source, cfg.data.batch_size, backend.world_size, backend.local_ranks, position
     )
     positions: dict[int, int] = {}  # step -> data position after its batch
+    evaluation = None
+    if cfg.data.source == "prepared" and (tc.eval_every or cfg.eval.final_test):
+        from hstu.eval_loop import TrainingEvaluation
+
+        dataset = getattr(source, "inner", source)  # launch_checks.CheckedSource wraps it
+        evaluation = TrainingEvaluation(cfg, dataset, backend, out_dir, start, say)
+    progress = {"done": start, "stop": False}
 
     def batches():
         step = start
@@ -136,18 +152,27 @@ def train(
             start_step=start,
             tensorboard=tc.tensorboard,
         )
+        if evaluation is not None:
+            evaluation.tb = logger.tb
 
     def after_dispatch(step: int) -> bool:
-        """Checkpoint cadence; True when a save held up the host (the next step's period)."""
+        """Evaluation and checkpoint cadence; True when either held up the host (the next
+        step's period). Every rank makes the same calls (both are collective)."""
         watchdog.beat()
         done = step + 1
-        if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or done == tc.steps):
+        progress["done"] = done
+        evaluated = evaluation is not None and evaluation.due(done)
+        if evaluated:
+            progress["stop"] = evaluation.after_step(done, watchdog.beat)
+            watchdog.beat()
+        last = done == tc.steps or progress["stop"]
+        if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or last):
             path = checkpointer.save(done, data_state(positions.pop(step)))
             say(f"checkpoint: saved {path} (the state after step {step})")
             watchdog.beat()
             return True
         positions.pop(step, None)
-        return False
+        return evaluated
 
     def metrics_ready(step: int, metrics: dict) -> None:
         watchdog.beat()
@@ -184,7 +209,10 @@ def train(
             check=lambda b, r: check_model_inputs(b, cfg.model, max_seqlen, r),
             after_dispatch=after_dispatch,
             probe=probe if bench.probe_every else None,
+            should_stop=lambda step: progress["stop"],
         )
+        if evaluation is not None:
+            evaluation.finish(progress["done"], watchdog.beat)
     finally:
         try:
             checkpointer.close()  # pending saves: the watchdog still covers a hang here

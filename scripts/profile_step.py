@@ -94,8 +94,6 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 prof.stop()
 
-
-
         trace = os.path.join(out_dir, "torch_trace.json")
         rows = _train_torch(cfg, hook)
         prof.export_chrome_trace(trace)

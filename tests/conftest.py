@@ -34,6 +34,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# The publisher-format sample the prepared-data tests train on: 600 users, 300 items, 5-40
+# events each (13k events), enough that a one-layer model learns the planted walk in a few
+# hundred steps. Numpy only; prepared once per session.
+PREPARED_SPEC_ARGS = {"num_users": 600, "num_items": 300, "max_events": 40}
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory):
+    """{"ml-1m": dir, "kuairand-pure": dir}: `hstu data prepare` outputs of generated files."""
+    from hstu.data.prepare import prepare
+    from hstu.testing_data import PlantedSpec, write_dataset
+
+    root = tmp_path_factory.mktemp("prepared_data")
+    out = {}
+    for name in ("ml-1m", "kuairand-pure"):
+        src = write_dataset(name, root / f"{name}-src", PlantedSpec(**PREPARED_SPEC_ARGS))
+        prepare(name, src, root / name)
+        out[name] = root / name
+    return out
+
+
 @pytest.fixture
 def demo_cfg():
     return load_config(DEMO_CONFIG)

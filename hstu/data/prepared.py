@@ -46,6 +46,7 @@ class PreparedSpec:
     num_negatives: int = 0  # retrieval: sampled negatives per target (0: no "negative" key)
     num_tasks: int | None = None  # label bits kept; None: every task of the dataset
     seed: int | None = None  # None: the seed recorded in the manifest
+    use_contextual: bool = True  # False: samples carry no contextual ids (the papers' setting)
 
     def __post_init__(self):
         def check(ok: bool, name: str, why: str) -> None:
@@ -57,7 +58,8 @@ class PreparedSpec:
         if self.task == "retrieval":
             check(self.max_history >= 2, "max_history", "must be >= 2 to hold a target")
         check(0 <= self.min_history <= self.max_history, "min_history", "must be in [0, max]")
-        check(self.num_candidates >= 1, "num_candidates", "must be >= 1")
+        if self.task == "ranking":  # retrieval samples have no candidates
+            check(self.num_candidates >= 1, "num_candidates", "must be >= 1")
         check(self.num_negatives >= 0, "num_negatives", "must be >= 0")
         check(self.num_tasks is None or self.num_tasks >= 1, "num_tasks", "must be >= 1")
 
@@ -65,7 +67,8 @@ class PreparedSpec:
     def from_config(cls, cfg) -> PreparedSpec:
         """The sampling that a training config asks for: `data.max_history`,
         `data.min_history`, `data.max_candidates` (K), `data.seed`, `model.task`,
-        `model.num_negatives` (retrieval) and `model.num_tasks` (ranking)."""
+        `model.num_negatives` (retrieval), `model.num_tasks` (ranking) and whether
+        `data.num_contextual` asks for the contextual features (> 0) or not (0)."""
         d, m = cfg.data, cfg.model
         retrieval = m.task == "retrieval"
         return cls(
@@ -76,6 +79,7 @@ class PreparedSpec:
             num_negatives=m.num_negatives if retrieval else 0,
             num_tasks=None if retrieval else m.num_tasks,
             seed=d.seed,
+            use_contextual=d.num_contextual > 0,
         )
 
 
@@ -116,7 +120,9 @@ class PreparedDataset:
     num_users = property(lambda self: self.manifest.num_users)
     num_items = property(lambda self: self.manifest.num_items)
     num_actions = property(lambda self: self.manifest.num_actions)
-    num_contextual = property(lambda self: self.manifest.num_contextual)
+    num_contextual = property(
+        lambda self: self.manifest.num_contextual if self.spec.use_contextual else 0
+    )
     num_contextual_ids = property(lambda self: self.manifest.num_contextual_ids)
 
     @property
@@ -159,6 +165,22 @@ class PreparedDataset:
             self._perm_cache = cached
         return cached[1]
 
+    def sample_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(history events, candidates) of every sample of an epoch, in window order (what
+        `window` gives, vectorised): the length distribution that static-shape capacities are
+        fitted to (`hstu.capacity.from_prepared`)."""
+        s = self.spec
+        per_user = np.diff(self._first)
+        user = np.repeat(np.arange(len(per_user)), per_user)
+        back = np.arange(self.num_samples) - self._first[user]
+        train = np.asarray(self._num_train, dtype=np.int64)[user]
+        if s.task == "ranking":
+            end = train - back * s.num_candidates
+            cand = np.maximum(end - s.num_candidates, s.min_history)
+            return cand - np.maximum(cand - s.max_history, 0), end - cand
+        end = train - back * (s.max_history - 1)
+        return end - np.maximum(end - s.max_history, 0), np.zeros_like(end)
+
     def window(self, sample: int) -> tuple[int, int, int, int]:
         """(user, start, first_candidate, end): sample `sample` of an epoch is the user's
         events [start, end), candidates from `first_candidate` on (retrieval: none, = end)."""
@@ -195,8 +217,9 @@ class PreparedDataset:
         """History = rows [lo, mid), candidates = rows [mid, hi) of the flat arrays (copied
         out of the read-only memory maps, widened to int64 like every batch value)."""
         action = np.array(self._action[lo:hi], dtype=np.int64)
+        contextual = self._contextual[user] if self.spec.use_contextual else ()
         return {
-            "contextual": np.array(self._contextual[user], dtype=np.int64),
+            "contextual": np.array(contextual, dtype=np.int64),
             "item": np.array(self._item[lo:mid], dtype=np.int64),
             "action": action[: mid - lo],
             "item_time": np.array(self._time[lo:mid], dtype=np.int64),

@@ -106,8 +106,21 @@ def spec_for_lengths(
     for key in spec.keys:
         need = int(np.asarray(rank_lengths[key]).sum(axis=1).max(initial=0))
         derived = t_cap // TOKEN_BOUNDED[key] if key in TOKEN_BOUNDED else 0
+        if key == "negative" and "item" in rank_lengths:
+            # R negatives per next-item target, at most T / 2 targets: R * T / 2 holds them,
+            # so retrieval batches too get shapes that depend on T alone.
+            derived = negatives_per_target(rank_lengths) * (t_cap // 2)
         caps.append(derived if derived and need <= derived else bucket_capacity(need))
     return spec.with_capacities(caps, t_cap)
+
+
+def negatives_per_target(lengths: dict[str, np.ndarray]) -> int:
+    """R of retrieval samples, whose `negative` length is R * (len(item) - 1) (checked on the
+    host before any batch gets here); 0 when no sample has a target."""
+    item = np.asarray(lengths["item"], np.int64).reshape(-1)
+    neg = np.asarray(lengths["negative"], np.int64).reshape(-1)
+    has = item >= 2
+    return int((neg[has] // (item[has] - 1)).max(initial=0))
 
 
 def spec_for(

@@ -202,7 +202,27 @@ class HSTUModel(nn.Module):
             return self._ranking(batch, z, lay, denom)
         return self._retrieval(batch, z, lay, denom)
 
-    def _ranking(self, batch, z, lay, denom):
+    # ------------------------------------------------------------------ scoring (evaluation)
+    def query_embeddings(self, batch: DeviceBatch) -> jax.Array:
+        """`[B, D]`: each sample's encoder output at its last history event's action token,
+        the position whose output the retrieval loss scores the next item with, normalised as
+        there (padding samples: an arbitrary row)."""
+        z, lay = self.encode(batch)
+        last = jnp.maximum(batch.lengths["item"] - 1, 0)
+        tok = lay["offsets"][:-1] + lay["num_contextual"] + 2 * last + 1
+        return _normalize(z[jnp.clip(tok, 0, z.shape[0] - 1)].astype(jnp.float32))
+
+    def item_embeddings(self) -> jax.Array:
+        """`[num_items, D]`: the item table normalised as the retrieval loss normalises it."""
+        return _normalize(self.embedding.item.astype(jnp.float32))
+
+    def candidate_logits(self, batch: DeviceBatch) -> jax.Array:
+        """`[candidate capacity, num_tasks]`: the ranking head's logits, candidates packed at
+        the front (rows past `sum(lengths["candidate"])` are padding)."""
+        z, lay = self.encode(batch)
+        return self._candidate_logits(batch, z, lay)
+
+    def _candidate_logits(self, batch, z, lay):
         k = batch.lengths["candidate"]
         cpos = jnp.arange(batch.spec.capacity("candidate"), dtype=jnp.int32)
         sample, j = _owner(k, cpos)
@@ -212,7 +232,12 @@ class HSTUModel(nn.Module):
             + 2 * batch.lengths["item"][sample]
             + j
         )
-        logits = self.head(z[jnp.clip(tok, 0, z.shape[0] - 1)]).astype(jnp.float32)
+        return self.head(z[jnp.clip(tok, 0, z.shape[0] - 1)]).astype(jnp.float32)
+
+    def _ranking(self, batch, z, lay, denom):
+        k = batch.lengths["candidate"]
+        cpos = jnp.arange(batch.spec.capacity("candidate"), dtype=jnp.int32)
+        logits = self._candidate_logits(batch, z, lay)
         bits = jnp.arange(self.cfg.num_tasks, dtype=jnp.int32)
         labels = ((batch.values["label"][:, None] >> bits) & 1).astype(jnp.float32)
         per = optax.sigmoid_binary_cross_entropy(logits, labels).sum(axis=1)

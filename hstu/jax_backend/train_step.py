@@ -204,6 +204,21 @@ class JaxBackend:
             }
         return out
 
+    def evaluator(self):
+        """Scores with the live parameters on this process's first device."""
+        from hstu.jax_backend.evaluate import JaxEvaluator
+
+        if self.model is None:
+            raise HSTUError("JaxBackend.evaluator needs the model it was built with")
+        return JaxEvaluator(self.model, lambda: self.state.params, self._devices[0])
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        if jax.process_count() == 1:  # one controller drives every rank
+            return bool(flag)
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
     def memory_gib(self) -> float | None:
         peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self._devices]
         peaks = [p for p in peaks if p is not None]
@@ -223,6 +238,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=devices[0].platform == "cpu")
     optimizer = make_optimizer(tc)
     state = init_state(init_params(cfg.model, tc.seed), optimizer, mesh, tc.seed)
+    source = source if source is not None else source_from_config(cfg)
     policy = capacity.for_source(cfg, source)
     backend = JaxBackend(
         JaxShuffler(mesh, cfg.balance.exchange, policy.capacity),
@@ -238,5 +254,4 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     checkpointer = TrainCheckpointer(
         cfg.output_dir, tc.keep_checkpoints, lambda: backend.state.as_dict(), set_state
     )
-    source = source if source is not None else source_from_config(cfg)
     return trainer.train(cfg, backend, checkpointer, source, "jax", on_step)

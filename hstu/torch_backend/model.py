@@ -203,20 +203,46 @@ class HSTUModel(nn.Module):
         }
         return x, seq
 
-    def forward(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, dict]:
-        """(local loss sum / global target count, {metric: local sum}) for one batch."""
+    def encode(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
+        """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout."""
         x, seq = self.sequence(tb)
         for layer in self.layers:
             x = layer(x, seq)
-        z = self.final_norm(x).float()
+        return self.final_norm(x).float(), seq
+
+    def forward(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, dict]:
+        """(local loss sum / global target count, {metric: local sum}) for one batch."""
+        z, seq = self.encode(tb)
         denom = float(max(int(global_loss_tokens), 1))
         if self.cfg.task == "ranking":
             return self._ranking_loss(z, seq, denom)
         return self._retrieval_loss(z, seq, denom)
 
-    def _ranking_loss(self, z, seq, denom):
+    # ------------------------------------------------------------------ scoring (evaluation)
+    def query_embeddings(self, tb: TorchBatch) -> torch.Tensor:
+        """`[B, D]`: each sample's encoder output at its last history event's action token,
+        the position whose output the retrieval loss scores the next item with, normalised as
+        there. Every sample needs at least one history event."""
+        z, seq = self.encode(tb)
+        last = torch.cumsum(seq["lengths"]["item"], 0) - 1  # each sample's last event
+        return F.normalize(z.index_select(0, seq["pos_item"][last] + 1), dim=-1, eps=1e-6)
+
+    def item_embeddings(self) -> torch.Tensor:
+        """`[num_items, D]`: the item table normalised as the retrieval loss normalises it."""
+        table = self.embedding.embeddings["item"].weight
+        return F.normalize(table.float(), dim=-1, eps=1e-6)
+
+    def candidate_logits(self, tb: TorchBatch) -> torch.Tensor:
+        """`[sum K, num_tasks]`: the ranking head's logits of every candidate."""
+        z, seq = self.encode(tb)
+        return self._candidate_logits(z, seq)
+
+    def _candidate_logits(self, z, seq):
         zc = z.index_select(0, seq["pos_cand"])
-        logits = self.head.out(F.silu(self.head.hidden(zc)))  # [sum K, num_tasks]
+        return self.head.out(F.silu(self.head.hidden(zc)))  # [sum K, num_tasks]
+
+    def _ranking_loss(self, z, seq, denom):
+        logits = self._candidate_logits(z, seq)
         bits = torch.arange(self.cfg.num_tasks, device=z.device)
         labels = ((seq["ids"]["label"].values()[:, None] >> bits) & 1).to(logits.dtype)
         loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / denom

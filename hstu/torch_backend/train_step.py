@@ -145,6 +145,18 @@ class TorchBackend(TorchShuffler):
             "compute_s_after": every[:, 1].tolist(),
         }
 
+    def evaluator(self):
+        from hstu.torch_backend.evaluate import TorchEvaluator
+
+        return TorchEvaluator(self.model, self.device)
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return bool(flag)
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.broadcast(value, src=0, group=self.group)
+        return bool(value.item())
+
     def memory_gib(self) -> float | None:
         if self.device.type != "cuda":
             return None

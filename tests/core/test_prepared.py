@@ -156,7 +156,9 @@ def test_is_a_sample_source_for_the_loader(dirs):
 def test_spec_from_a_training_config():
     from types import SimpleNamespace
 
-    data = SimpleNamespace(max_history=50, min_history=2, max_candidates=3, seed=9)
+    data = SimpleNamespace(
+        max_history=50, min_history=2, max_candidates=3, seed=9, num_contextual=2
+    )
     model = SimpleNamespace(task="retrieval", num_negatives=16, num_tasks=2)
     spec = PreparedSpec.from_config(SimpleNamespace(data=data, model=model))
     assert spec == PreparedSpec("retrieval", 50, 2, 3, num_negatives=16, num_tasks=None, seed=9)
