@@ -250,6 +250,46 @@ class BenchConfig:
         _positive(self, "bench.", "probe_repeats")
 
 
+SHARDINGS = ("none", "auto", "table_wise", "row_wise", "data_parallel")
+EMBEDDING_OPTIMIZERS = ("row_wise_adagrad", "adam")
+
+
+@dataclass
+class EmbeddingConfig:
+    sharding: str = _opt(
+        "none",
+        "none: the tables are dense parameters, replicated, updated by train.* AdamW with the "
+        "rest of the model; auto | table_wise | row_wise | data_parallel: sharded tables "
+        "(torch: TorchRec DistributedModelParallel; jax: rows sharded over the devices) with "
+        "embedding.optimizer applied to the rows a step touches (docs/MODEL.md)",
+    )
+    optimizer: str = _opt(
+        "row_wise_adagrad",
+        "sharded tables: row_wise_adagrad (one accumulator per row) | adam (sparse: touched rows)",
+    )
+    lr: float = _opt(0.01, "sharded tables: learning rate of embedding.optimizer")
+    eps: float = _opt(1e-8, "sharded tables: epsilon of embedding.optimizer")
+    beta1: float = _opt(0.9, "sharded tables, adam: beta1")
+    beta2: float = _opt(0.999, "sharded tables, adam: beta2")
+    weight_decay: float = _opt(
+        0.0, "sharded tables, adam: decoupled weight decay of the touched rows"
+    )
+
+    def validate(self) -> None:
+        p = "embedding."
+        _one_of(p + "sharding", self.sharding, SHARDINGS)
+        _one_of(p + "optimizer", self.optimizer, EMBEDDING_OPTIMIZERS)
+        _positive(self, p, "lr", "eps")
+        _positive(self, p, "weight_decay", allow_zero=True)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "none"
+
+
 EVAL_FAMILIES = {  # eval.metrics entry -> the model task it needs
     "full": "retrieval",  # HR/NDCG@K, MRR over every item, the user's seen items filtered
     "sampled": "retrieval",  # the same against eval.num_negatives sampled unseen items
@@ -337,6 +377,10 @@ class Config:
     bench: BenchConfig = field(
         default_factory=BenchConfig, metadata={"doc": "measurements for hstu bench e2e"}
     )
+    embedding: EmbeddingConfig = field(
+        default_factory=EmbeddingConfig,
+        metadata={"doc": "embedding tables: sharding and their optimizer"},
+    )
     eval: EvalConfig = field(
         default_factory=EvalConfig, metadata={"doc": "offline evaluation (prepared data)"}
     )
@@ -344,6 +388,7 @@ class Config:
 
     def validate(self) -> Config:
         subs = (self.model, self.data, self.train, self.dist, self.balance, self.bench, self.eval)
+        subs += (self.embedding,)
         for sub in subs:
             sub.validate()
         self.eval.check_task(self.model.task)
