@@ -52,6 +52,24 @@ class AdamState:
 
 
 @dataclass
+class TableOptState:
+    """The optimizer state of sharded embedding tables (`embedding.sharding` != none), by
+    table core name (`embedding.item`, ...), gathered whole: a checkpoint of any sharding and
+    world size reads into any other. docs/MODEL.md defines the update.
+
+    * `row_wise_adagrad`: `sum[name]` `[rows]`, the accumulated mean squared row gradient;
+    * `adam`: `m[name]`, `v[name]` `[rows, D]`, and `count`, the optimizer steps taken (the
+      bias correction's t).
+    """
+
+    optimizer: str  # embedding.optimizer
+    count: int
+    sum: dict[str, np.ndarray]
+    m: dict[str, np.ndarray]
+    v: dict[str, np.ndarray]
+
+
+@dataclass
 class PortableState:
     """A training checkpoint in core names; `adam` and `data` are None for parameters only."""
 
@@ -60,6 +78,8 @@ class PortableState:
     adam: AdamState | None = None
     data: dict | None = None  # {"next_sample": int}: the data position (hstu.trainer)
     source: str = ""  # where it was read from (messages only)
+    # sharded tables: their own optimizer's state; `adam` then holds the dense parameters only
+    tables: TableOptState | None = None
 
     @property
     def is_training_state(self) -> bool:
