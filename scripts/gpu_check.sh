@@ -2,6 +2,7 @@
 # Build, check and time everything on a GPU machine in one go; prints a short table at the end.
 #
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
+#                                               attention (hstu bench attention grid)
 #                                               e2e sim profile (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -48,6 +49,15 @@ print('torchrec', torchrec.__version__)" ;;
       run triton_bench python -m hstu_kernels.triton.bench
       run triton_bias_bench python -m hstu_kernels.triton.bench_bias
       run pallas_bench python -m hstu_kernels.pallas.bench ;;
+    attention)
+      # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches)
+      for backend in torch jax; do
+        run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
+          --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims 64,128,256 \
+          --max-tokens 65536 --out /tmp/attention
+        cp /tmp/attention/attention_$backend.json "$OUT/"
+      done
+      cp /tmp/attention/attention_*_d128.png "$OUT/" ;;
     train)
       run torch_train_1gpu python -m hstu.cli train --backend torch --config configs/gpu.yaml \
         output_dir="$OUT/torch_train"

@@ -1,0 +1,356 @@
+"""`hstu bench attention`: the HSTU attention kernel of a backend over a grid of shapes.
+
+    hstu bench attention --backend {torch,jax} [--batches 1,2,...,128] [--seqlens 64,...,8192]
+        [--dims 64,128,256] [--heads 4] [--dtype bf16] [--jagged zipf] [--rab] [--no-sdpa]
+        [--max-tokens N] [--warmup W] [--repeats R] [--out DIR]
+
+For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-tokens`:
+
+* **correctness first**: the kernel's output and its gradients (q, k, v, and the bias tables
+  with `--rab`) against the backend's dense fp32 reference on a slice of the same case (one
+  sample of length S, or the first samples of a jagged batch up to S tokens); a point that
+  fails is reported and not timed, and the command exits 1;
+* **timing**: forward and forward + backward, medians over `--repeats` after `--warmup` (torch:
+  CUDA events; jax: wall clock around `block_until_ready`, which on a GPU includes one
+  dispatch); TFLOP/s on the unmasked (query, key) pairs only: forward = 4 * pairs * H * D
+  (Q K^T and P V), forward + backward = 3.5 x forward (the flash-attention convention);
+* `--jagged zipf`: besides the equal-length batch, a batch of Zipf(1.2) lengths in [16, S] with
+  the same token count, so the cost of raggedness reads off one table (`jagged / equal`);
+* torch also times `scaled_dot_product_attention` (causal softmax, the flash kernel on a GPU)
+  on the equal-length batches, the yardstick of the kernel targets (`--no-sdpa` skips it).
+
+Writes `attention_<backend>.json` (every point, with the check's errors) and one heatmap PNG
+per kernel and head dim (forward + backward TFLOP/s over batch x seqlen) under `--out`. On a
+CPU the kernels run in interpret mode: the check is meaningful, the timings are not.
+
+The per-backend halves are `hstu.bench.attention_torch` / `attention_jax` (`Runner`); this
+module is the grid, the check verdict, the table and the files, and imports neither framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hstu.data.distributions import sample_lengths
+from hstu.errors import HSTUError
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_SEQLENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_DIMS = (64, 128, 256)
+FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs as a multiple of the forward's
+# Max |kernel - reference| / max |reference|, per input dtype: bf16 keeps 8 bits of mantissa
+# and the kernel rounds P to it before P V; fp32 accumulates in another order only.
+TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4}
+MIN_JAGGED_LEN = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid point: `lengths` are the samples' lengths (all `seqlen` when equal)."""
+
+    batch: int
+    seqlen: int
+    dim: int
+    heads: int
+    dtype: str
+    layout: str  # "equal" | "zipf"
+    lengths: tuple[int, ...]
+    rab: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    @property
+    def pairs(self) -> int:
+        """Unmasked (query, key) pairs of the causal mask."""
+        return int(sum(n * (n + 1) // 2 for n in self.lengths))
+
+    @property
+    def fwd_flops(self) -> float:
+        return 4.0 * self.pairs * self.heads * self.dim
+
+    def check_slice(self) -> Case:
+        """The part of the case the dense reference checks: one sample of length `seqlen`
+        (equal) or the first samples up to `seqlen` tokens (jagged)."""
+        if self.layout == "equal":
+            lengths = (self.seqlen,)
+        else:
+            total, keep = 0, []
+            for n in self.lengths:
+                if keep and total + n > self.seqlen:
+                    break
+                keep.append(n)
+                total += n
+            lengths = tuple(keep)
+        return Case(
+            1, self.seqlen, self.dim, self.heads, self.dtype, self.layout, lengths, self.rab
+        )
+
+
+def zipf_lengths(tokens: int, seqlen: int, seed: int) -> tuple[int, ...]:
+    """Zipf(1.2) lengths in [16, seqlen] summing to exactly `tokens` (the last one trimmed)."""
+    rng = np.random.default_rng(seed)
+    lo = min(MIN_JAGGED_LEN, seqlen)
+    out: list[int] = []
+    while sum(out) < tokens:
+        out += sample_lengths("zipf", rng, 64, lo, seqlen, a=1.2).tolist()
+    total, keep = 0, []
+    for n in out:
+        n = min(int(n), tokens - total)
+        keep.append(n)
+        total += n
+        if total == tokens:
+            break
+    return tuple(keep)
+
+
+def grid(args) -> list[Case]:
+    cases = []
+    for dim in args.dims:
+        for seqlen in args.seqlens:
+            for batch in args.batches:
+                tokens = batch * seqlen
+                if tokens > args.max_tokens:
+                    continue
+                equal = (seqlen,) * batch
+                cases.append(
+                    Case(batch, seqlen, dim, args.heads, args.dtype, "equal", equal, args.rab)
+                )
+                if args.jagged == "zipf":
+                    lengths = zipf_lengths(tokens, seqlen, seed=hash((batch, seqlen)) % 2**31)
+                    cases.append(
+                        Case(batch, seqlen, dim, args.heads, args.dtype, "zipf", lengths, args.rab)
+                    )
+    if not cases:
+        raise HSTUError(
+            f"the grid is empty: every batch x seqlen exceeds --max-tokens={args.max_tokens}"
+        )
+    return cases
+
+
+@dataclass
+class Point:
+    kernel: str  # "triton" / "pallas" / "sdpa"
+    case: Case
+    check: dict = field(default_factory=dict)  # {"ok": bool, "errors": {name: rel err}}
+    fwd_ms: float = math.nan
+    fwd_bwd_ms: float = math.nan
+    note: str = ""
+
+    @property
+    def fwd_tflops(self) -> float:
+        return self.case.fwd_flops / self.fwd_ms / 1e9
+
+    @property
+    def fwd_bwd_tflops(self) -> float:
+        return FWD_BWD_FACTOR * self.case.fwd_flops / self.fwd_bwd_ms / 1e9
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["case"] = {k: v for k, v in d["case"].items() if k != "lengths"}
+        d["case"] |= {"tokens": self.case.tokens, "pairs": self.case.pairs}
+        d["case"]["num_samples"] = len(self.case.lengths)
+        d |= {"fwd_tflops": self.fwd_tflops, "fwd_bwd_tflops": self.fwd_bwd_tflops}
+        return d
+
+
+def verdict(errors: dict[str, float], dtype: str) -> dict:
+    tol = TOLERANCE[dtype]
+    bad = {k: v for k, v in errors.items() if not v <= tol}  # NaN fails too
+    return {"ok": not bad, "tolerance": tol, "errors": errors, "failed": sorted(bad)}
+
+
+def run(runner, cases: list[Case], warmup: int, repeats: int, say=print) -> list[Point]:
+    """Check, then time, every case with the runner's kernel (and its extra kernels)."""
+    points, checked = [], {}
+    for i, case in enumerate(cases):
+        key = (case.seqlen, case.dim, case.layout)
+        if key not in checked:  # one check per (S, D, layout): the batch only repeats samples
+            errors = runner.check(case.check_slice())
+            checked[key] = verdict(errors, case.dtype)
+        point = Point(runner.kernel, case, checked[key])
+        if point.check["ok"]:
+            point.fwd_ms, point.fwd_bwd_ms, point.note = runner.time(case, warmup, repeats)
+        else:
+            point.note = f"check failed: {point.check['failed']}"
+        points.append(point)
+        extras = runner.extra_kernels(case)
+        for extra in extras:  # yardsticks (their own library's kernels): timed, not checked
+            fwd, fwd_bwd, note = runner.time_extra(extra, case, warmup, repeats)
+            points.append(Point(extra, case, {"ok": True, "yardstick": True}, fwd, fwd_bwd, note))
+        say(f"[{i + 1}/{len(cases)}] {_row_label(case)}: {_brief(points[-1 - len(extras) :])}")
+    return points
+
+
+def _row_label(case: Case) -> str:
+    return f"B={case.batch} S={case.seqlen} D={case.dim} {case.layout}"
+
+
+def _brief(points: list[Point]) -> str:
+    return ", ".join(
+        f"{p.kernel} {p.fwd_tflops:.1f}/{p.fwd_bwd_tflops:.1f} TF/s"
+        if p.check.get("ok")
+        else f"{p.kernel} {p.note}"
+        for p in points
+    )
+
+
+def table(points: list[Point]) -> str:
+    head = (
+        f"{'kernel':>7} {'D':>4} {'S':>5} {'B':>4} {'layout':>6} {'tokens':>8} | {'check':>9} | "
+        f"{'fwd ms':>9} {'TF/s':>7} | {'f+b ms':>9} {'TF/s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for p in points:
+        c = p.case
+        err = max(p.check.get("errors", {}).values(), default=math.nan)
+        if p.check.get("yardstick"):
+            check = "-"
+        else:
+            check = ("ok " if p.check.get("ok") else "FAIL ") + (f"{err:.0e}" if err == err else "")
+        lines.append(
+            f"{p.kernel:>7} {c.dim:>4} {c.seqlen:>5} {c.batch:>4} {c.layout:>6} {c.tokens:>8} | "
+            f"{check:>9} | {p.fwd_ms:>9.3f} {p.fwd_tflops:>7.1f} | {p.fwd_bwd_ms:>9.3f} "
+            f"{p.fwd_bwd_tflops:>7.1f}"
+        )
+    ratios = jagged_ratios(points)
+    if ratios:
+        lines.append("")
+        lines.append("jagged (zipf) / equal, forward+backward TFLOP/s at the same tokens:")
+        for (kernel, dim, seqlen, batch), r in sorted(ratios.items()):
+            lines.append(f"  {kernel} D={dim} S={seqlen} B={batch}: {r:.2f}")
+    return "\n".join(lines)
+
+
+def jagged_ratios(points: list[Point]) -> dict[tuple, float]:
+    equal = {}
+    for p in points:
+        if p.case.layout == "equal":
+            equal[(p.kernel, p.case.dim, p.case.seqlen, p.case.batch)] = p.fwd_bwd_tflops
+    out = {}
+    for p in points:
+        key = (p.kernel, p.case.dim, p.case.seqlen, p.case.batch)
+        if p.case.layout == "zipf" and key in equal and equal[key] > 0:
+            out[key] = p.fwd_bwd_tflops / equal[key]
+    return out
+
+
+def heatmaps(points: list[Point], out_dir: Path, title: str) -> list[Path]:
+    """One PNG per (kernel, head dim): forward+backward TFLOP/s of the equal-length batches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups: dict[tuple[str, int], list[Point]] = {}
+    for p in points:
+        if p.case.layout == "equal":
+            groups.setdefault((p.kernel, p.case.dim), []).append(p)
+    for (kernel, dim), group in sorted(groups.items()):
+        batches = sorted({p.case.batch for p in group})
+        seqlens = sorted({p.case.seqlen for p in group})
+        grid_ = np.full((len(batches), len(seqlens)), np.nan)
+        for p in group:
+            grid_[batches.index(p.case.batch), seqlens.index(p.case.seqlen)] = p.fwd_bwd_tflops
+        fig, ax = plt.subplots(figsize=(1.1 * len(seqlens) + 2, 0.6 * len(batches) + 1.6))
+        img = ax.imshow(grid_, origin="lower", aspect="auto", cmap="viridis")
+        ax.set_xticks(range(len(seqlens)), [str(s) for s in seqlens])
+        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("batch")
+        for (i, j), v in np.ndenumerate(grid_):
+            if v == v:
+                ax.text(j, i, f"{v:.0f}" if v >= 10 else f"{v:.2g}", ha="center", va="center",
+                        fontsize=7, color="white")  # fmt: skip
+        fig.colorbar(img, ax=ax, label="forward+backward TFLOP/s")
+        ax.set_title(f"{title}: {kernel}, head dim {dim}", fontsize=9)
+        fig.tight_layout()
+        path = out_dir / f"attention_{kernel}_d{dim}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hstu bench attention",
+        description="The backend's HSTU attention kernel over batch x seqlen x head dim: "
+        "checked against the reference, then timed (table, JSON, TFLOP/s heatmaps).",
+    )
+    ap.add_argument("--backend", required=True, choices=["torch", "jax"])
+    ap.add_argument("--batches", type=_ints, default=DEFAULT_BATCHES)
+    ap.add_argument("--seqlens", type=_ints, default=DEFAULT_SEQLENS)
+    ap.add_argument("--dims", type=_ints, default=DEFAULT_DIMS, help="head dims (Dqk = Dv)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dtype", choices=sorted(TOLERANCE), default="bf16")
+    ap.add_argument("--jagged", choices=["none", "zipf"], default="zipf")
+    ap.add_argument("--rab", action="store_true", help="relative position and time biases")
+    ap.add_argument("--no-sdpa", action="store_true", help="torch: skip the SDPA yardstick")
+    ap.add_argument(
+        "--max-tokens", type=int, default=1 << 18, help="skip points with B * S above this"
+    )
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default="runs/bench_attention")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.heads < 1 or args.warmup < 0 or args.repeats < 1 or args.max_tokens < 1:
+        raise HSTUError("--heads, --repeats and --max-tokens must be >= 1, --warmup >= 0")
+    from hstu import backends
+
+    ok, why = backends.available(args.backend)
+    if not ok:
+        raise HSTUError(why)
+    cases = grid(args)
+    if args.backend == "torch":
+        from hstu.bench.attention_torch import Runner
+    else:
+        from hstu.bench.attention_jax import Runner
+    runner = Runner(sdpa=not args.no_sdpa)
+    print(f"# {runner.kernel} HSTU attention on {runner.device}: {len(cases)} cases")
+    points = run(runner, cases, args.warmup, args.repeats)
+    print(table(points))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "backend": args.backend,
+        "kernel": runner.kernel,
+        "device": runner.device,
+        "interpret": runner.interpret,
+        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+        "fwd_bwd_factor": FWD_BWD_FACTOR,
+        "points": [p.as_dict() for p in points],
+    }
+    path = out / f"attention_{args.backend}.json"
+    path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+    pngs = heatmaps(points, out, f"{runner.device}, {args.dtype}, H={args.heads}")
+    print(f"wrote {path} and {len(pngs)} heatmap(s) under {out}")
+    failed = [p for p in points if not p.check.get("ok")]
+    if failed:
+        print(f"{len(failed)} point(s) failed the check against the reference")
+        return 1
+    return 0

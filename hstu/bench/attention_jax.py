@@ -1,0 +1,111 @@
+"""The JAX half of `hstu bench attention`: our Pallas kernel, checked against the jnp fp32
+reference, timed by wall clock around `jax.block_until_ready` of a jitted call (one dispatch
+included). On a CPU the kernel runs in the Pallas interpreter (timings then meaningless)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hstu.bench.attention import Case
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+TIME_BUCKETS = 32
+TABLES = ("rab_pos", "rab_time")
+
+
+class Runner:
+    kernel = "pallas"
+
+    def __init__(self, sdpa: bool = True):  # no softmax yardstick on this side
+        from hstu_kernels.pallas import hstu_attention
+        from hstu_kernels.pallas.reference import hstu_attention_reference
+
+        self.interpret = jax.default_backend() == "cpu"
+        self.fn, self.reference = hstu_attention, hstu_attention_reference
+        self.device = jax.devices()[0].device_kind
+
+    def inputs(self, case: Case, seed: int = 0):
+        """(q, k, v, grad_out), seq_offsets, static keyword arguments, bias tables."""
+        rng = np.random.default_rng(seed)
+        t, h, d = case.tokens, case.heads, case.dim
+        dtype = DTYPES[case.dtype]
+        q, k, v, do = (
+            jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32).astype(dtype) for _ in range(4)
+        )
+        offsets = jnp.asarray(np.concatenate([[0], np.cumsum(case.lengths)]), jnp.int32)
+        static = dict(max_seqlen=case.seqlen, alpha=1.0 / np.sqrt(d), normalizer=float(case.seqlen))
+        tables = {}
+        if case.rab:
+            tables["rab_pos"] = jnp.asarray(
+                rng.standard_normal((h, case.seqlen)) * 0.1, jnp.float32
+            )
+            tables["rab_time"] = jnp.asarray(
+                rng.standard_normal((h, TIME_BUCKETS)) * 0.1, jnp.float32
+            )
+            static["timestamps"] = jnp.asarray(np.cumsum(rng.integers(0, 3600, t)), jnp.int32)
+        return (q, k, v), do, offsets, static, tables
+
+    def _fns(self, impl, offsets, static, names):
+        def fwd(q, k, v, *tabs):
+            return impl(q, k, v, offsets, **static, **dict(zip(names, tabs)))
+
+        def fwd_bwd(q, k, v, *rest):
+            *tabs, do = rest
+            out, vjp = jax.vjp(fwd, q, k, v, *tabs)
+            return (out, *vjp(do.astype(out.dtype)))
+
+        return jax.jit(fwd), jax.jit(fwd_bwd)
+
+    def _kernel(self, *args, **kwargs):
+        return self.fn(*args, **kwargs, interpret=self.interpret)
+
+    def check(self, case: Case) -> dict[str, float]:
+        """max |kernel - reference| / max |reference| of the output and every gradient."""
+        qkv, do, offsets, static, tables = self.inputs(case, seed=1)
+        names = tuple(tables)
+        _, kernel_fb = self._fns(self._kernel, offsets, static, names)
+        _, ref_fb = self._fns(self.reference, offsets, static, names)
+        got = kernel_fb(*qkv, *tables.values(), do)
+        want = ref_fb(*(x.astype(jnp.float32) for x in qkv), *tables.values(), do)
+        errors = {}
+        labels = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in names]
+        for label, a, b in zip(labels, got, want):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            scale = float(np.abs(b).max())
+            diff = float(np.abs(a - b).max())
+            errors[label] = diff / scale if scale > 0 else diff
+        return errors
+
+    @staticmethod
+    def _ms(fn, args, warmup: int, repeats: int) -> float:
+        for _ in range(max(warmup, 1)):  # the first call compiles
+            jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def time(self, case: Case, warmup: int, repeats: int) -> tuple[float, float, str]:
+        qkv, do, offsets, static, tables = self.inputs(case)
+        fwd, fwd_bwd = self._fns(self._kernel, offsets, static, tuple(tables))
+        try:
+            f = self._ms(fwd, (*qkv, *tables.values()), warmup, repeats)
+            fb = self._ms(fwd_bwd, (*qkv, *tables.values(), do), warmup, repeats)
+        except Exception as exc:  # out of device memory: report the point, go on
+            if "RESOURCE_EXHAUSTED" not in str(exc):
+                raise
+            return float("nan"), float("nan"), "out of memory"
+        return f, fb, ""
+
+    def extra_kernels(self, case: Case) -> list[str]:
+        return []
+
+    def time_extra(self, name, case, warmup, repeats):
+        raise ValueError(f"no extra kernel {name!r} on the jax side")

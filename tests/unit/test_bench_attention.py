@@ -1,0 +1,88 @@
+"""`hstu bench attention`: the grid, correctness before timing, the files; both backends on a
+tiny grid (kernels interpreted on CPU: the check is real, the timings are not)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hstu import backends
+from hstu.bench import attention as ba
+from hstu.cli import main
+
+
+def _args(**kw):
+    base = dict(
+        dims=(16,), seqlens=(16, 64), batches=(1, 4, 64), heads=2, dtype="fp32",
+        rab=False, jagged="zipf", max_tokens=256,
+    )  # fmt: skip
+    return SimpleNamespace(**(base | kw))
+
+
+def test_grid_keeps_the_token_budget_and_pairs_jagged_batches_with_equal_ones():
+    cases = ba.grid(_args())
+    assert {(c.batch, c.seqlen) for c in cases} == {(1, 16), (4, 16), (1, 64), (4, 64)}
+    for equal, zipf in zip(cases[::2], cases[1::2], strict=True):
+        assert (equal.layout, zipf.layout) == ("equal", "zipf")
+        assert equal.tokens == zipf.tokens == equal.batch * equal.seqlen
+        assert max(zipf.lengths) <= zipf.seqlen and min(zipf.lengths) >= 1
+        assert zipf.pairs <= equal.pairs
+    c = ba.Case(2, 8, 16, 2, "fp32", "equal", (8, 8))
+    assert c.pairs == 2 * 36 and c.fwd_flops == 4.0 * 72 * 2 * 16
+    with pytest.raises(Exception, match="--max-tokens=8"):
+        ba.grid(_args(max_tokens=8))
+
+
+def test_check_slice_is_one_sample_or_the_first_samples_up_to_seqlen():
+    assert ba.Case(4, 64, 16, 2, "fp32", "equal", (64,) * 4).check_slice().lengths == (64,)
+    jagged = ba.Case(4, 64, 16, 2, "fp32", "zipf", (30, 20, 40, 10, 100 - 0))
+    assert jagged.check_slice().lengths == (30, 20)
+
+
+def test_a_point_that_fails_the_check_is_not_timed_and_fails_the_run():
+    class Wrong:
+        kernel = "wrong"
+
+        def check(self, case):
+            return {"out": 0.5, "dq": float("nan")}
+
+        def time(self, case, warmup, repeats):  # never reached
+            raise AssertionError("a failed point must not be timed")
+
+        def extra_kernels(self, case):
+            return []
+
+    points = ba.run(Wrong(), ba.grid(_args(jagged="none", seqlens=(16,))), 0, 1, say=lambda s: 0)
+    assert all(not p.check["ok"] and p.check["failed"] == ["dq", "out"] for p in points)
+    assert all(np.isnan(p.fwd_ms) for p in points)
+    assert "FAIL" in ba.table(points)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_bench_attention_checks_times_and_writes(backend, tmp_path, capsys):
+    ok, why = backends.available(backend)
+    if not ok:
+        pytest.skip(why)
+    batches = "1,2" if backend == "torch" else "1"  # each JAX shape compiles: keep it short
+    argv = ["bench", "attention", "--backend", backend, "--batches", batches, "--seqlens", "32"]
+    argv += ["--dims", "16", "--heads", "2", "--dtype", "fp32", "--warmup", "0", "--repeats", "1"]
+    argv += ["--rab", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    kernel = {"torch": "triton", "jax": "pallas"}[backend]
+    assert "jagged (zipf) / equal" in out
+    report = json.loads((tmp_path / f"attention_{backend}.json").read_text())
+    points = [p for p in report["points"] if p["kernel"] == kernel]
+    expected = [(b, layout) for b in map(int, batches.split(",")) for layout in ("equal", "zipf")]
+    assert [(p["case"]["batch"], p["case"]["layout"]) for p in points] == expected
+    for p in points:
+        errors = p["check"]["errors"]
+        assert set(errors) == {"out", "dq", "dk", "dv", "drab_pos", "drab_time"}
+        assert max(errors.values()) < 1e-4  # fp32: the kernel equals the reference
+        assert p["fwd_ms"] > 0 and p["fwd_bwd_ms"] > 0
+        flops = 4.0 * p["case"]["pairs"] * 2 * 16
+        assert p["fwd_tflops"] == pytest.approx(flops / p["fwd_ms"] / 1e9)
+    assert (tmp_path / f"attention_{kernel}_d16.png").stat().st_size > 1000
