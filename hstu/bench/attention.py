@@ -23,7 +23,7 @@ Writes `attention_<backend>.json` (every point, with the check's errors) and one
 per kernel and head dim (forward + backward TFLOP/s over batch x seqlen) under `--out`. On a
 CPU the kernels run in interpret mode: the check is meaningful, the timings are not.
 
-The per-backend halves are `hstu.bench.attention_torch` / `attention_jax` (`Runner`); this
+The per-backend halves are `hstu.<backend>_backend.bench_attention` (`Runner`); this
 module is the grid, the check verdict, the table and the files, and imports neither framework.
 """
 
@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         raise HSTUError(why)
     cases = grid(args)
     if args.backend == "torch":
-        from hstu.bench.attention_torch import Runner
+        from hstu.torch_backend.bench_attention import Runner
     else:
-        from hstu.bench.attention_jax import Runner
+        from hstu.jax_backend.bench_attention import Runner
     runner = Runner(sdpa=not args.no_sdpa)
     print(f"# {runner.kernel} HSTU attention on {runner.device}: {len(cases)} cases")
     points = run(runner, cases, args.warmup, args.repeats)
