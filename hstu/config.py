@@ -284,6 +284,22 @@ class EmbeddingConfig:
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
+        # data_parallel tables are replicated and updated from their dense (all-reduced)
+        # gradient: row-wise Adagrad leaves a zero-gradient row exactly as it is, so that equals
+        # the touched-rows update; Adam would still move every row (docs/MODEL.md).
+        _check(
+            not (self.sharding == "data_parallel" and self.optimizer == "adam"),
+            p + "optimizer",
+            self.optimizer,
+            "adam is not available with embedding.sharding=data_parallel (it needs the touched "
+            "rows; use row_wise_adagrad, or table_wise / row_wise / auto sharding)",
+        )
+        _check(
+            self.optimizer == "adam" or self.weight_decay == 0.0,
+            p + "weight_decay",
+            self.weight_decay,
+            "row_wise_adagrad has no weight decay (docs/MODEL.md): set it to 0 or use adam",
+        )
 
     @property
     def sharded(self) -> bool:

@@ -11,7 +11,10 @@ TorchRec's `embedding.embeddings.<table>.weight` is `embedding.<table>`; Flax: `
   `exp_avg` / `exp_avg_sq` / `step` == optax `ScaleByAdamState.mu` / `nu` / `count`: the two
   optimizers compute the same update, see docs/MODEL.md);
 * the training step and the data position (the global index of the next sample, the same on
-  every rank and for any world size).
+  every rank and for any world size);
+* with sharded tables (`embedding.sharding` != none): `tables`, the tables' own optimizer
+  state (`TableOptState`, whole tables, any sharding and world size), and then `adam` holds
+  the dense parameters only (`dense_shapes`); `params` always holds every parameter.
 
 What does not: RNG streams (a torch generator state has no JAX counterpart). The writer
 gives the target its own seeded initial RNG state, exactly what a fresh run of that backend
@@ -68,6 +71,29 @@ class TableOptState:
     m: dict[str, np.ndarray]
     v: dict[str, np.ndarray]
 
+    def validate(self, model_cfg, where: str = "") -> None:
+        from hstu.embedding_opt import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise HSTUError(
+                f"table optimizer{where} is {self.optimizer!r}, not one of {list(OPTIMIZERS)}"
+            )
+        if self.count < 0:
+            raise HSTUError(f"table optimizer step count{where} is negative: {self.count}")
+        tables = table_shapes(model_cfg)
+        rows = {n: (shape[0],) for n, shape in tables.items()}
+        fields = (
+            {"sum": rows} if self.optimizer == "row_wise_adagrad" else {"m": tables, "v": tables}
+        )
+        for field in ("sum", "m", "v"):
+            held = getattr(self, field)
+            if field not in fields:
+                if held:
+                    raise HSTUError(f"{self.optimizer} state{where} has {field!r}: it has none")
+                continue
+            what = f"{self.optimizer} state {field!r} of the tables{where}"
+            check_names(held, model_cfg, what, fields[field])
+
 
 @dataclass
 class PortableState:
@@ -86,14 +112,21 @@ class PortableState:
         return self.adam is not None and self.data is not None
 
     def validate(self, model_cfg) -> PortableState:
-        """Names and shapes against `hstu.params.param_shapes`; HSTUError naming the tensor."""
+        """Names and shapes against `hstu.params.param_shapes`; HSTUError naming the tensor.
+
+        With `tables`, the AdamW moments cover the dense parameters only (`dense_shapes`) and
+        `tables` holds, for every table (`table_shapes`), `sum` `[rows]` (row_wise_adagrad) or
+        `m` and `v` `[rows, D]` (adam)."""
         where = f" in {self.source}" if self.source else ""
         check_names(self.params, model_cfg, f"parameters{where}")
+        adam_shapes = param_shapes(model_cfg) if self.tables is None else dense_shapes(model_cfg)
         if self.adam is not None:
-            check_names(self.adam.mu, model_cfg, f"AdamW first moments{where}")
-            check_names(self.adam.nu, model_cfg, f"AdamW second moments{where}")
+            check_names(self.adam.mu, model_cfg, f"AdamW first moments{where}", adam_shapes)
+            check_names(self.adam.nu, model_cfg, f"AdamW second moments{where}", adam_shapes)
             if self.adam.count < 0:
                 raise HSTUError(f"AdamW step count{where} is negative: {self.adam.count}")
+        if self.tables is not None:
+            self.tables.validate(model_cfg, where)
         if self.step < 0:
             raise HSTUError(f"checkpoint step{where} is negative: {self.step}")
         if self.data is not None and int(self.data.get("next_sample", -1)) < 0:
@@ -101,8 +134,23 @@ class PortableState:
         return self
 
 
-def check_names(tensors: dict[str, np.ndarray], model_cfg, what: str) -> None:
-    expected = param_shapes(model_cfg)
+TABLE_PREFIX = "embedding."
+
+
+def table_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """The embedding tables (`embedding.item`, ...): what `embedding.sharding` shards."""
+    return {n: s for n, s in param_shapes(model_cfg).items() if n.startswith(TABLE_PREFIX)}
+
+
+def dense_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """Every parameter but the tables: what AdamW updates when the tables are sharded."""
+    return {n: s for n, s in param_shapes(model_cfg).items() if not n.startswith(TABLE_PREFIX)}
+
+
+def check_names(
+    tensors: dict[str, np.ndarray], model_cfg, what: str, expected: dict | None = None
+) -> None:
+    expected = param_shapes(model_cfg) if expected is None else expected
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -214,7 +262,10 @@ def convert(src_backend: str, dst_backend: str, src: str | Path, dst: str | Path
 def describe(state: PortableState) -> str:
     parts = [f"step {state.step}", f"{len(state.params)} parameters"]
     if state.adam is not None:
-        parts.append(f"AdamW moments (count {state.adam.count})")
+        dense = " of the dense parameters" if state.tables is not None else ""
+        parts.append(f"AdamW moments{dense} (count {state.adam.count})")
+    if state.tables is not None:
+        parts.append(f"sharded tables' {state.tables.optimizer} state (count {state.tables.count})")
     if state.data is not None:
         parts.append(f"data next_sample={state.data['next_sample']}")
     return ", ".join(parts)

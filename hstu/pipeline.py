@@ -18,6 +18,18 @@ thread, `HostPrefetcher`):
 Collective order is the same on every rank: stats gather (i+1), the backend's
 forward/backward collectives (i), exchange (i+1). Every rank computes the same plan from the
 same gathered stats, so it issues the same exchange. Only this file decides that order.
+
+Sharded embedding tables (`embedding.sharding`: table_wise / row_wise / auto) add collectives
+inside step 3, i.e. after batch i's exchange (the previous iteration's step 4) and before the
+exchange of i+1: in the forward, the id all-to-alls (lengths, then values) and the row
+all-to-all back to the samples' ranks; in the backward, the row-gradient all-to-all to the
+rows' owners (whose fused optimizer updates the touched rows right there); then, as without
+sharding, the dense gradient buckets and the metrics reduction. Every rank runs the same
+forward and backward on its own batch, so it issues the same embedding collectives in the same
+order (an empty batch still exchanges its zero ids). The torch backend gives them a process
+group of their own, so their interleaving with the gradient buckets (launched from backward
+hooks) can never cross ranks' orders; tests/multirank/test_sharded_torch.py records every
+collective call per rank and compares the sequences.
 """
 
 from __future__ import annotations

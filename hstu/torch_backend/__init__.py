@@ -5,7 +5,8 @@ collectives.py (stats gather, fused allgather, all2all), shuffler.py (device sid
 pipeline's Backend), model.py, attention.py (reference | kernel switch), state.py (optimizer,
 RNG streams), train_step.py (the trainer's Backend, `run_rank`), launch.py (`train(cfg)`:
 starting the ranks), checkpoint.py
-(training checkpoints through torch.distributed.checkpoint), convert.py (`hstu convert`).
+(training checkpoints through torch.distributed.checkpoint), convert.py (`hstu convert`),
+sharding.py (`embedding.sharding`: TorchRec DMP over the tables, fused TBE optimizer).
 """
 
 from hstu.torch_backend.batch import TorchBatch, to_jagged, to_torch

@@ -13,6 +13,14 @@ the model and optimizer are replicated, so a checkpoint of W ranks loads on any 
 rank that has no `extra-rank<r>.pt` (more ranks than saved) keeps the RNG it was seeded with
 (`state.rank_seed`); with fewer ranks, ranks beyond the new world's are not read.
 
+Sharded tables (`embedding.sharding` != none, sharding.py) change what the DCP shards hold,
+not the folder: `model` (every parameter by torch name; a sharded table is a ShardedTensor, each
+rank writing its rows), `optim` (AdamW of the dense parameters: `<name>.exp_avg`,
+`<name>.exp_avg_sq`, `step`) and `tables_opt` (the tables' optimizer by core name:
+`embedding.<table>.sum`, or `.m` and `.v` for adam, and `count`, the steps taken). DCP reads
+any sharding into any other and any world size into any other, so elastic resume holds for
+them too. `checkpoint_layout` tells the two layouts apart.
+
 `TrainCheckpointer` is this backend's `hstu.trainer.Checkpointer`. Converting checkpoints
 between backends is `convert.py`'s business.
 """
@@ -144,6 +152,7 @@ def load(
     if step is None:
         return None
     path = step_dir(Path(root), step)
+    check_layout(path, sharded=False)
     extra_path = path / f"extra-rank{rank}.pt"
     own = extra_path.is_file()
     if not own:
@@ -159,14 +168,130 @@ def load(
     return step, torch.load(extra_path, weights_only=True), own
 
 
+SHARDED_KEY = "tables_opt"  # a top-level key only checkpoints of sharded tables have
+
+
+def checkpoint_layout(path: Path) -> str:
+    """`"sharded"` (embedding.sharding != none) or `"replicated"`, from the DCP metadata."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return "sharded" if any(k.startswith(SHARDED_KEY + ".") for k in keys) else "replicated"
+
+
+def check_layout(path: Path, sharded: bool) -> None:
+    layout = checkpoint_layout(path)
+    if (layout == "sharded") != sharded:
+        raise HSTUError(
+            f"checkpoint {path} holds {'sharded' if layout == 'sharded' else 'replicated'} "
+            f"embedding tables, the config has embedding.sharding="
+            f"{'none' if not sharded else 'a sharding'}: resume with the sharding it was "
+            "written with (`hstu convert` reads either)"
+        )
+
+
+def adam_entries(named: dict[str, torch.Tensor], optimizer) -> dict[str, torch.Tensor]:
+    """AdamW state of `named` parameters as flat `<name>.exp_avg` / `.exp_avg_sq` / `step`
+    tensors for DCP (zeros where no step was taken yet); `set_adam_entries` puts them back."""
+    out, step = {}, 0.0
+    for name, p in named.items():
+        state = optimizer.state.get(p, {})
+        out[f"{name}.exp_avg"] = state.get("exp_avg", torch.zeros_like(p))
+        out[f"{name}.exp_avg_sq"] = state.get("exp_avg_sq", torch.zeros_like(p))
+        step = float(state["step"]) if "step" in state else step
+    out["step"] = torch.tensor([step], dtype=torch.float32)
+    return out
+
+
+def set_adam_entries(named: dict[str, torch.Tensor], optimizer, entries: dict) -> None:
+    step = float(entries["step"][0])
+    for name, p in named.items():
+        old = optimizer.state.get(p, {}).get("step")
+        device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
+        if device.type == "cpu" and p.is_cuda and optimizer.defaults.get("fused"):
+            device = p.device
+        optimizer.state[p] = {
+            "step": torch.tensor(step, dtype=torch.float32, device=device),
+            "exp_avg": entries[f"{name}.exp_avg"].to(p.device).clone(),
+            "exp_avg_sq": entries[f"{name}.exp_avg_sq"].to(p.device).clone(),
+        }
+
+
+def _sharded_state(model, optimizer, tables) -> dict:
+    weights, table_opt = tables.checkpoint_state()
+    # dense parameters keep their torch names (only the tables are renamed in core names)
+    model_state = {n: p.detach() for n, p in tables.dense.items()} | weights
+    count = torch.tensor([tables.count], dtype=torch.int64)
+    return {
+        "model": model_state,
+        "optim": adam_entries(tables.dense, optimizer),
+        SHARDED_KEY: table_opt | {"count": count},
+    }
+
+
+def save_sharded(root, step, model, optimizer, tables, extra, rank, keep, group=None) -> Path:
+    """`save` for sharded tables (collective)."""
+    path = step_dir(Path(root), step)
+    if rank == 0 and path.exists():
+        discard(root, path)
+    dist.barrier(group=group)
+    dcp.save(_sharded_state(model, optimizer, tables), checkpoint_id=path, process_group=group)
+    torch.save(extra, path / f"extra-rank{rank}.pt")
+    dist.barrier(group=group)
+    if rank == 0:
+        (path / MARKER).write_text(f"{step}\n")
+        for old in complete_steps(root)[:-keep]:
+            discard(root, step_dir(Path(root), old))
+        sweep(root, keep_step=step)
+    return path
+
+
+def load_sharded(root, model, optimizer, tables, rank, group=None):
+    """`load` for sharded tables (collective): DCP writes straight into the live shards."""
+    if rank == 0:
+        sweep(root)
+    step = latest_step(root)
+    if step is None:
+        return None
+    path = step_dir(Path(root), step)
+    check_layout(path, sharded=True)
+    extra_path = path / f"extra-rank{rank}.pt"
+    own = extra_path.is_file()
+    if not own:
+        extra_path = path / "extra-rank0.pt"
+        if not extra_path.is_file():
+            raise HSTUError(f"checkpoint {path} has no extra-rank0.pt (data position)")
+    state = _sharded_state(model, optimizer, tables)
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    with torch.no_grad():
+        live = dict(model.named_parameters())
+        for name, value in state["model"].items():
+            if name in tables.dense:  # DCP may have replaced a plain tensor: copy it in
+                live[name].copy_(value)
+    set_adam_entries(tables.dense, optimizer, state["optim"])
+    if tables.kind == "replicated":
+        for name, value in tables.checkpoint_state()[1].items():
+            value.copy_(state[SHARDED_KEY][name])
+        for name, p in tables.tables.items():
+            with torch.no_grad():
+                p.copy_(state["model"][_torch_table(name)])
+    tables.after_load(int(state[SHARDED_KEY]["count"][0]))
+    return step, torch.load(extra_path, weights_only=True), own
+
+
+def _torch_table(core: str) -> str:
+    return "embedding.embeddings." + core.removeprefix("embedding.") + ".weight"
+
+
 class TrainCheckpointer:
     """`hstu.trainer.Checkpointer` over `save` / `load`: model, optimizer, this rank's RNG
     streams and the data position, under `<output_dir>/checkpoints/step-N`."""
 
-    def __init__(self, output_dir, model, optimizer, rank: int, keep: int, device, group=None):
+    def __init__(
+        self, output_dir, model, optimizer, rank: int, keep: int, device, group=None, tables=None
+    ):
         self.directory = checkpoint_root(output_dir)
         self.model, self.optimizer, self.rank, self.keep = model, optimizer, rank, keep
         self.device, self.group = torch.device(device), group
+        self.tables = tables  # sharding.py's handler, None for embedding.sharding=none
 
     def latest_step(self) -> int | None:
         return latest_step(self.directory)
@@ -178,6 +303,18 @@ class TrainCheckpointer:
             "rng": rng_state(self.device),
             "world_size": dist.get_world_size(self.group),
         }
+        if self.tables is not None:
+            return save_sharded(
+                self.directory,
+                step,
+                self.model,
+                self.optimizer,
+                self.tables,
+                extra,
+                self.rank,
+                self.keep,
+                self.group,
+            )
         return save(
             self.directory,
             step,
@@ -190,7 +327,12 @@ class TrainCheckpointer:
         )
 
     def restore(self) -> tuple[int, dict] | None:
-        restored = load(self.directory, self.model, self.optimizer, self.rank, self.group)
+        if self.tables is not None:
+            restored = load_sharded(
+                self.directory, self.model, self.optimizer, self.tables, self.rank, self.group
+            )
+        else:
+            restored = load(self.directory, self.model, self.optimizer, self.rank, self.group)
         if restored is None:
             return None
         step, extra, own = restored

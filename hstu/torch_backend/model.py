@@ -119,6 +119,9 @@ class HSTUModel(nn.Module):
             self.head.hidden = Linear(d, d)
             self.head.out = Linear(d, cfg.num_tasks)
         self.compute_dtype = _DTYPES[cfg.dtype]
+        # Set when the tables are sharded (sharding.py): the features the sharded collection
+        # looks up, so its all-to-alls carry ids only (not timestamps or labels).
+        self.embedding_keys: list[str] | None = None
         self.to(device)
 
     # ------------------------------------------------------------------ parameters
@@ -154,7 +157,10 @@ class HSTUModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def sequence(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
         """Embed and lay out the tokens of every sample (docs/MODEL.md token table)."""
-        emb = self.embedding(tb.kjt)
+        if self.embedding_keys is None:
+            emb = self.embedding(tb.kjt)
+        else:
+            emb = self.embedding(tb.kjt.permute([tb.keys.index(k) for k in self.embedding_keys]))
         lengths = dict(zip(tb.keys, tb.lengths_KB().to(torch.int64), strict=True))
         totals = dict(zip(tb.keys, tb.length_per_key(), strict=True))
         ids = tb.kjt.to_dict()

@@ -8,6 +8,11 @@ same init); the shuffle moves samples between ranks (shuffler.py); the loss of e
 sum over targets divided by the *global* target count; gradients are all-reduced (SUM) in
 fixed buckets overlapped with the backward pass (grad_sync.py), the loss and metric sums in one
 small reduction after it, so every rank applies the same AdamW update.
+
+With `embedding.sharding` != none the tables are then sharded (sharding.py, right after the
+replicated init): their all-to-alls run inside forward and backward, their optimizer is fused
+into the backward (or, data_parallel, row-wise Adagrad after AdamW), and the buckets and
+AdamW hold the dense parameters only (data_parallel: the tables' gradients too).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from hstu.torch_backend import collectives
 from hstu.torch_backend.checkpoint import TrainCheckpointer
 from hstu.torch_backend.grad_sync import GradBuckets
 from hstu.torch_backend.model import HSTUModel
+from hstu.torch_backend.sharding import shard_tables
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.torch_backend.state import make_optimizer, rank_seed
 from hstu.torch_backend.timing import time_forward_backward
@@ -43,8 +49,19 @@ class TorchBackend(TorchShuffler):
         )
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
-        self.params = list(self.model.parameters())  # fixed order: the gradient bucket layout
-        self.optimizer = make_optimizer(self.params, cfg.train)
+        # embedding.sharding != none: the tables leave AdamW (sharding.py)
+        self.tables = shard_tables(self.model, cfg, world_size, self.device, group)
+        if self.tables is None:
+            self.params = list(self.model.parameters())  # fixed order: the bucket layout
+            self.optimizer = make_optimizer(self.params, cfg.train)
+            self.reduced = self.model.named_core_parameters()
+        else:
+            self.params = self.tables.reduced_params
+            self.optimizer = make_optimizer(list(self.tables.dense.values()), cfg.train)
+            ids = {id(p) for p in self.params}
+            self.reduced = {
+                n: p for n, p in self.model.named_core_parameters().items() if id(p) in ids
+            }
         self.buckets = GradBuckets(self.params, world_size, group)
 
     def _mark(self, marks: list | None) -> None:
@@ -83,18 +100,21 @@ class TorchBackend(TorchShuffler):
         }
 
     def grads(self) -> dict[str, np.ndarray]:
-        """Reduced gradients by core parameter name (between forward_backward and the step)."""
+        """Reduced gradients by core parameter name (between forward_backward and the step);
+        sharded tables (updated inside backward) have none."""
         return {
             name: (p.grad if p.grad is not None else torch.zeros_like(p))
             .detach()
             .cpu()
             .numpy()
             .copy()
-            for name, p in self.model.named_core_parameters().items()
+            for name, p in self.reduced.items()
         }
 
     def optimizer_step(self, handle: dict) -> dict:
         self.optimizer.step()
+        if self.tables is not None:
+            self.tables.step()
         self._mark(handle["marks"])
         self.optimizer.zero_grad(set_to_none=True)
         scalars = handle["scalars"]
@@ -180,6 +200,7 @@ def run_rank(
         cfg.train.keep_checkpoints,
         device,
         group,
+        backend.tables,
     )
     check_shuffler(cfg.balance.shuffler)
     source = source if source is not None else source_from_config(cfg)

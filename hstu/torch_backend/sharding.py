@@ -1,0 +1,301 @@
+"""Embedding-table sharding (`embedding.sharding` != none), applied here and nowhere else.
+
+`shard_tables(model, cfg, ...)` turns the model's replicated `EmbeddingCollection` into one of:
+
+* `FusedTables` (`table_wise`, `row_wise`, `auto`): TorchRec `DistributedModelParallel` over
+  the model with a plan from `EmbeddingShardingPlanner` (constraints force the sharding type;
+  `auto` lets the planner choose among table_wise, row_wise and table_row_wise: column-wise
+  sharding is left out because a row-wise optimizer on a column shard would average over part
+  of the row only). The tables' optimizer is fused into the TBE backward (fbgemm
+  `EXACT_ROWWISE_ADAGRAD` / `ADAM`): it updates the touched rows while backward runs, so the
+  tables have no `.grad` and no AdamW state. DMP wraps nothing in DDP (`_no_data_parallel`):
+  the dense parameters stay with `grad_sync.GradBuckets` and AdamW. The embedding all-to-alls
+  run on a process group of their own, so their order and the gradient buckets' order are
+  each fixed on every rank whatever the other does (hstu/pipeline.py).
+* `ReplicatedTables` (`data_parallel`): the tables stay replicated parameters, their gradients
+  are all-reduced in the buckets with the dense ones, and row-wise Adagrad updates them from
+  the dense gradient. A row no rank touched has a zero gradient and row-wise Adagrad leaves it
+  exactly unchanged, so this is the touched-rows update (Adam is refused by the config).
+  TorchRec's own data_parallel sharding of an EmbeddingCollection pools the sequences on a
+  CPU (a TBE dense-kernel limitation in 1.8), hence this implementation.
+
+docs/MODEL.md ("Sharded embedding tables and their optimizer") defines the update;
+`hstu/embedding_opt.py` is its numpy reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hstu.errors import HSTUError
+
+TABLES = ("item", "action", "contextual")
+EMBEDDING_PREFIX = "embedding."
+# embedding.sharding -> TorchRec sharding types the planner may use
+PLANNED = {
+    "table_wise": ("table_wise",),
+    "row_wise": ("row_wise",),
+    "auto": ("table_wise", "row_wise", "table_row_wise"),
+}
+
+
+def check_sharding(cfg, device_type: str) -> None:
+    """What this backend cannot run, as a config error before any rank or collective."""
+    e = cfg.embedding
+    if not e.sharded:
+        return
+    if e.optimizer == "adam" and device_type != "cuda":
+        raise HSTUError(
+            "embedding.optimizer=adam runs on CUDA only in the torch backend: fbgemm's CPU "
+            "table-batched-embedding kernels have no Adam (use embedding.optimizer="
+            "row_wise_adagrad, or dist.device=cuda)"
+        )
+    if e.sharding == "data_parallel":
+        return  # replicated tables: evaluation and probes work as with sharding=none
+    if cfg.bench.probe_every:
+        raise HSTUError(
+            f"bench.probe_every={cfg.bench.probe_every} with embedding.sharding={e.sharding}: "
+            "a probe's extra backward would apply the fused table update; set "
+            "bench.probe_every=0 or embedding.sharding=none|data_parallel"
+        )
+    if cfg.data.source == "prepared" and (cfg.train.eval_every or cfg.eval.final_test):
+        raise HSTUError(
+            f"evaluation (train.eval_every / eval.final_test) with embedding.sharding="
+            f"{e.sharding}: the evaluation runs on rank 0 alone and needs whole tables; set "
+            "train.eval_every=0 eval.final_test=false, or embedding.sharding=none|data_parallel"
+        )
+
+
+def embedding_features(model) -> list[str]:
+    """The embedding collection's feature names, table by table."""
+    return [f for c in model.embedding.embedding_configs() for f in c.feature_names]
+
+
+class ReplicatedTables:
+    """`data_parallel`: replicated tables, all-reduced dense gradients, row-wise Adagrad."""
+
+    kind = "replicated"
+
+    def __init__(self, model, cfg):
+        self.cfg, self.model = cfg.embedding, model
+        named = model.named_core_parameters()
+        self.tables = {n: p for n, p in named.items() if n.startswith(EMBEDDING_PREFIX)}
+        self.dense = {n: p for n, p in named.items() if not n.startswith(EMBEDDING_PREFIX)}
+        self.reduced_params = list(model.parameters())  # the bucket layout of sharding=none
+        self.sums = {n: torch.zeros(p.shape[0], device=p.device) for n, p in self.tables.items()}
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        lr, eps = self.cfg.lr, self.cfg.eps
+        for name, p in self.tables.items():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            s = self.sums[name]
+            s.add_((g * g).mean(dim=1))
+            p.sub_(g * (lr / (s.sqrt() + eps))[:, None])
+        self.count += 1
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(`{torch name: table}`, `{core name.sum: accumulator}`) for DCP, in place."""
+        weights = {_torch_name(n): p.detach() for n, p in self.tables.items()}
+        return weights, {f"{n}.sum": s for n, s in self.sums.items()}
+
+    def after_load(self, count: int) -> None:
+        self.count = count
+
+    def local_shards(self) -> dict:
+        return {
+            n: [(0, 0, p.detach().cpu().numpy(), self.sums[n].cpu().numpy()[:, None])]
+            for n, p in self.tables.items()
+        }
+
+
+def _no_data_parallel():
+    """DMP's data-parallel wrapper that wraps nothing: GradBuckets reduce the dense part."""
+    from torchrec.distributed.model_parallel import DataParallelWrapper
+
+    class NoDataParallel(DataParallelWrapper):
+        def wrap(self, dmp, env, device) -> None:
+            pass
+
+    return NoDataParallel()
+
+
+class FusedTables:
+    """`table_wise` / `row_wise` / `auto`: TorchRec DMP with the optimizer fused into TBE."""
+
+    kind = "fused"
+
+    def __init__(self, model, cfg, world_size: int, device: torch.device, group=None):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec.distributed import comm_ops
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import (
+            EmbeddingShardingPlanner,
+            ParameterConstraints,
+            Topology,
+        )
+        from torchrec.distributed.types import ShardingEnv
+
+        e = self.cfg = cfg.embedding
+        # TorchRec divides the gradients its all-to-alls carry back by the world size (it
+        # assumes DDP's per-rank mean loss); our loss is already normalised globally, so the
+        # sum over ranks is the gradient (hstu/pipeline.py). Process-wide, like the setting.
+        comm_ops.set_gradient_division(False)
+        full = {t: model.embedding.embeddings[t].weight.detach().clone() for t in TABLES}
+        model.embedding_keys = embedding_features(model)
+        fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": e.lr}
+        fused["eps"] = e.eps
+        if e.optimizer == "adam":
+            fused |= {
+                "optimizer": EmbOptimType.ADAM,
+                "beta1": e.beta1,
+                "beta2": e.beta2,
+                "weight_decay": e.weight_decay,
+            }
+        sharder = EmbeddingCollectionSharder(fused_params=fused)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(world_size)
+        # the embedding all-to-alls get their own group: see the module docstring
+        self.group = dist.new_group(ranks=list(ranks))
+        constraints = {
+            t: ParameterConstraints(sharding_types=list(PLANNED[e.sharding])) for t in TABLES
+        }
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        planner_log = logging.getLogger("torchrec.distributed.planner")
+        level = planner_log.level
+        planner_log.setLevel(logging.ERROR)  # notes on dry runs and topology factories: noise
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                topology = Topology(
+                    world_size=world_size, compute_device=device.type, local_world_size=local
+                )
+                planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+                self.plan = planner.collective_plan(model, [sharder], self.group)
+        finally:
+            planner_log.setLevel(level)
+        self.dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(self.group),
+            device=device,
+            plan=self.plan,
+            sharders=[sharder],
+            data_parallel_wrapper=_no_data_parallel(),
+        )
+        self.model = model
+        named = dict(model.named_parameters())
+        self.dense = {
+            model.core_name(n): p for n, p in named.items() if not n.startswith(EMBEDDING_PREFIX)
+        }
+        self.reduced_params = list(self.dense.values())
+        self.count = 0
+        self._copy_in(full)
+
+    def sharding_types(self) -> dict[str, str]:
+        plan = self.plan.get_plan_for_module("embedding") or {}
+        return {t: plan[t].sharding_type for t in TABLES if t in plan}
+
+    @torch.no_grad()
+    def _copy_in(self, full: dict[str, torch.Tensor]) -> None:
+        """The replicated init into this rank's shards: the same model as sharding=none."""
+        weights, _ = self.checkpoint_state()
+        for name, st in weights.items():
+            table = full[name.split(".")[2]]
+            for shard in st.local_shards():
+                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(table[r0 : r0 + nr, c0 : c0 + nc])
+
+    def step(self) -> None:
+        self.count += 1  # the rows were updated inside backward
+
+    def _tbe_modules(self):
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        return [
+            m for m in self.model.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)
+        ]
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(`{torch name: ShardedTensor}`, `{core name.sum|.m|.v: ShardedTensor}`): views of
+        the live TBE weights and optimizer state, so DCP reads and writes them in place."""
+        model_state = self.model.embedding.state_dict(prefix="embedding.")
+        weights = {n: t for n, t in model_state.items() if n.endswith(".weight")}
+        states = self.dmp.fused_optimizer.state_dict()["state"]
+        names = {"momentum1": "m", "momentum2": "v"}
+        if self.cfg.optimizer == "row_wise_adagrad":
+            names = {"momentum1": "sum"}
+        opt = {}
+        for t in TABLES:
+            # (a rank that holds no shard of a table has no optimizer state for it)
+            per_table = states.get(f"embedding.embeddings.{t}.weight", {})
+            for key, ours in names.items():
+                if f"{t}.{key}" not in per_table:
+                    continue
+                opt[f"embedding.{t}.{ours}"] = per_table[f"{t}.{key}"]
+        return weights, opt
+
+    def after_load(self, count: int) -> None:
+        self.count = count
+        for m in self._tbe_modules():  # the Adam bias correction's t, counted per forward
+            if hasattr(m, "iter"):
+                m.iter.fill_(count)
+                m.iter_cpu.fill_(count)
+
+    def local_shards(self) -> dict:
+        """`{core name: [(row offset, col offset, weights, state)]}` of this rank (tests)."""
+        weights, opt = self.checkpoint_state()
+        out = {}
+        for name, st in weights.items():
+            core = "embedding." + name.split(".")[2]
+            states = [opt[k] for k in sorted(opt) if k.startswith(core + ".")]
+            rows = []
+            for i, shard in enumerate(st.local_shards()):
+                (r0, c0) = shard.metadata.shard_offsets
+                extra = [s.local_shards()[i].tensor.detach().cpu().numpy() for s in states]
+                extra = [x[:, None] if x.ndim == 1 else x for x in extra]
+                rows.append((r0, c0, shard.tensor.detach().cpu().numpy(), np.concatenate(extra, 1)))
+            out[core] = rows
+        return out
+
+
+def _torch_name(core: str) -> str:
+    return "embedding.embeddings." + core.removeprefix(EMBEDDING_PREFIX) + ".weight"
+
+
+def shard_tables(model, cfg, world_size: int, device, group=None):
+    """`None` for sharding=none (today's replicated model), else the tables' handler."""
+    sharding = cfg.embedding.sharding
+    if sharding == "none":
+        return None
+    check_sharding(cfg, torch.device(device).type)
+    if sharding == "data_parallel":
+        return ReplicatedTables(model, cfg)
+    return FusedTables(model, cfg, world_size, torch.device(device), group)
+
+
+def gather_tables(tables, shapes: dict[str, tuple[int, int]], group=None) -> dict:
+    """Collective (tests, small tables): `{core: (weights [rows, D], state [rows, k])}`, whole,
+    from every rank's shards."""
+    mine = tables.local_shards()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    out = {}
+    for name, (rows, dim) in shapes.items():
+        width = None
+        for shards in everyone:
+            for r0, c0, w, s in shards.get(name, []):
+                if width is None:
+                    width = s.shape[1]
+                    out[name] = (np.zeros((rows, dim), np.float32), np.zeros((rows, width)))
+                out[name][0][r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
+                out[name][1][r0 : r0 + s.shape[0]] = s
+    return out
