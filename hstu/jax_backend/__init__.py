@@ -7,7 +7,9 @@ The pieces are a library (see examples/jax_custom_loop.py):
 * `shuffler`     JaxShuffler: placement, stats gather and exchange for the core Balancer
 * `model`        HSTUModel (Flax linen), params_to_flax / flax_to_params
 * `attention`    reference (jnp) / kernel (Pallas) switch
-* `state`        TrainState, the optimizer, init_state
+* `embedding`    sharded tables (embedding.sharding): row-wise layout, all_to_all lookup,
+                 touched-rows optimizer
+* `state`        TrainState, the optimizer, init_state / init_sharded_state
 * `train_step`   make_train_step, JaxBackend (the core trainer's Backend), run_training
 * `launch`       train(cfg): devices, processes (jax.distributed), re-exec
 * `checkpoint`   Orbax Checkpointer (`step-N`, keep-latest-k), TrainCheckpointer

@@ -12,7 +12,10 @@ Interrupted runs leave nothing that looks like a checkpoint: Orbax writes into a
 folder renamed when finished (leftovers are removed when a manager opens the directory), and
 old steps are deleted by renaming them into `trash/` first, which process 0 empties on open and
 close. The state is replicated and the data position a global sample count, so a checkpoint
-restores on any number of devices (elastic resume); the RNG key is one replicated key.
+restores on any number of devices (elastic resume); the RNG key is one replicated key. Sharded
+embedding tables (`embedding.py`) are the exception: they are stored as trained, rows padded
+to a multiple of the world size, so they resume on the same `dist.world_size`; `hstu convert
+--from jax --to jax SRC DST dist.world_size=W` re-pads them for another.
 """
 
 from __future__ import annotations
@@ -140,6 +143,37 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
 
 
+def saved_table_shapes(folder: str | Path) -> dict[tuple[str, str], tuple[int, ...]]:
+    """`{(field, table): shape}` of the sharded tables a `step-N` folder holds (none: {})."""
+    meta = ocp.StandardCheckpointHandler().metadata(epath.Path(Path(folder) / "state"))
+    tree = getattr(meta, "item_metadata", meta)
+    tables = tree.get("tables") if hasattr(tree, "get") else None
+    if not tables:
+        return {}
+    return {
+        (field, name): tuple(leaf.shape)
+        for field, by_name in tables.items()
+        if hasattr(by_name, "items")
+        for name, leaf in by_name.items()
+    }
+
+
+def check_table_shapes(folder: Path, abstract: dict) -> None:
+    """HSTUError when the checkpoint's sharded tables were padded for another world size."""
+    tables = abstract.get("tables")
+    if not tables:
+        return
+    for (field, name), shape in saved_table_shapes(folder).items():
+        want = tuple(tables[field][name].shape)
+        if shape != want:
+            raise HSTUError(
+                f"{folder} holds the sharded table {name!r} ({field}) stored as {list(shape)} "
+                f"rows x dims, this run stores {list(want)}: it was saved with another "
+                "dist.world_size. Resume with that one, or re-pad the checkpoint: hstu convert "
+                "--from jax --to jax SRC DST dist.world_size=<this run's>"
+            )
+
+
 def complete_steps(root: str | Path) -> list[int]:
     return [m.step for m in DashNameFormat().find_all(root)]
 
@@ -174,9 +208,12 @@ class TrainCheckpointer:
         return self.directory / f"step-{step}"
 
     def restore(self) -> tuple[int, dict] | None:
-        if self.latest_step() is None:
+        latest = self.latest_step()
+        if latest is None:
             return None
-        tree, data, step = self._manager.restore(abstract_like(self.get_state()))
+        abstract = abstract_like(self.get_state())
+        check_table_shapes(self.directory / f"step-{latest}", abstract)
+        tree, data, step = self._manager.restore(abstract, latest)
         self.set_state(tree)
         return step, data
 

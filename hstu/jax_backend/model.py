@@ -22,6 +22,7 @@ import optax
 from hstu.config import ModelConfig
 from hstu.jax_backend.attention import AttentionConfig, hstu_attention
 from hstu.jax_backend.batch import DeviceBatch
+from hstu.jax_backend.embedding import cached_lookup
 
 LN_EPS = 1e-6
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -85,16 +86,35 @@ def _lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 class Embeddings(nn.Module):
+    """The three tables. `external`: they are not parameters of the model but sharded tables
+    (`embedding.py`), whose rows each call receives as `tables[name] = (ids [U], rows [U, D])`
+    (the rank's cache: every id the batch reads)."""
+
     cfg: ModelConfig
+    external: bool = False
 
     def setup(self):
+        if self.external:
+            return
         d = self.cfg.embedding_dim
         init = nn.initializers.normal(1.0 / np.sqrt(d))
         self.item = self.param("item", init, (self.cfg.num_items, d))
         self.action = self.param("action", init, (self.cfg.num_actions, d))
         self.contextual = self.param("contextual", init, (self.cfg.num_contextual_ids, d))
 
-    def __call__(self, batch: DeviceBatch, lay: dict) -> tuple[jax.Array, jax.Array]:
+    def lookup(self, name: str, ids: jax.Array, tables: dict | None) -> jax.Array:
+        if tables is None:
+            return _lookup(getattr(self, name), ids)
+        rows = {
+            "item": self.cfg.num_items,
+            "action": self.cfg.num_actions,
+            "contextual": self.cfg.num_contextual_ids,
+        }
+        return cached_lookup(*tables[name], ids, rows[name])
+
+    def __call__(
+        self, batch: DeviceBatch, lay: dict, tables: dict | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`."""
         v = batch.values
         hist, cand = lay["is_hist"], lay["is_cand"]
@@ -102,9 +122,9 @@ class Embeddings(nn.Module):
             hist, _take(v["item"], lay["item_idx"]), _take(v["candidate"], lay["cand_idx"])
         )
         ctx_vals = v.get("contextual", jnp.zeros((1,), jnp.int32))
-        e_item = _lookup(self.item, item_id)
-        e_act = _lookup(self.action, _take(v["action"], lay["item_idx"]))
-        e_ctx = _lookup(self.contextual, _take(ctx_vals, lay["ctx_idx"]))
+        e_item = self.lookup("item", item_id, tables)
+        e_act = self.lookup("action", _take(v["action"], lay["item_idx"]), tables)
+        e_ctx = self.lookup("contextual", _take(ctx_vals, lay["ctx_idx"]), tables)
         x = jnp.where(lay["is_action"][:, None], e_act, e_item)
         x = jnp.where(lay["is_ctx"][:, None], e_ctx, x)
         x = jnp.where((hist | cand | lay["is_ctx"])[:, None], x, 0.0)
@@ -176,31 +196,41 @@ def _normalize(x: jax.Array) -> jax.Array:
 
 
 class HSTUModel(nn.Module):
-    """`apply(vars, batch, global_loss_tokens) -> (loss, aux)`; `encode` gives `z [T, D]`."""
+    """`apply(vars, batch, global_loss_tokens) -> (loss, aux)`; `encode` gives `z [T, D]`.
+
+    `external_tables`: the embedding tables are sharded outside the model (`embedding.py`);
+    training calls pass their rows as `tables` (`Embeddings`)."""
 
     cfg: ModelConfig
     attn: AttentionConfig
+    external_tables: bool = False
 
     def setup(self):
-        self.embedding = Embeddings(self.cfg)
+        self.embedding = Embeddings(self.cfg, self.external_tables)
         self.layers = [HSTULayer(self.cfg, self.attn) for _ in range(self.cfg.num_layers)]
         self.final_norm = _norm(None)
         if self.cfg.task == "ranking":
             self.head = RankingHead(self.cfg)
 
-    def encode(self, batch: DeviceBatch, deterministic: bool = True):
+    def encode(self, batch: DeviceBatch, deterministic: bool = True, tables: dict | None = None):
         lay = token_layout(batch)
-        x, ts = self.embedding(batch, lay)
+        x, ts = self.embedding(batch, lay, tables)
         for layer in self.layers:
             x = layer(x, lay, ts, deterministic)
         return self.final_norm(x), lay
 
-    def __call__(self, batch: DeviceBatch, global_loss_tokens, deterministic: bool = True):
-        z, lay = self.encode(batch, deterministic)
+    def __call__(
+        self,
+        batch: DeviceBatch,
+        global_loss_tokens,
+        deterministic: bool = True,
+        tables: dict | None = None,
+    ):
+        z, lay = self.encode(batch, deterministic, tables)
         denom = jnp.maximum(jnp.asarray(global_loss_tokens, jnp.float32), 1.0)
         if self.cfg.task == "ranking":
             return self._ranking(batch, z, lay, denom)
-        return self._retrieval(batch, z, lay, denom)
+        return self._retrieval(batch, z, lay, denom, tables)
 
     # ------------------------------------------------------------------ scoring (evaluation)
     def query_embeddings(self, batch: DeviceBatch) -> jax.Array:
@@ -244,7 +274,7 @@ class HSTUModel(nn.Module):
         valid = cpos < jnp.sum(k)
         return jnp.sum(jnp.where(valid, per, 0.0)) / denom, {}
 
-    def _retrieval(self, batch, z, lay, denom):
+    def _retrieval(self, batch, z, lay, denom, tables=None):
         length, r = batch.lengths["item"], self.cfg.num_negatives
         epos = jnp.arange(batch.spec.capacity("item"), dtype=jnp.int32)
         sample, l_ = _owner(length, epos)
@@ -256,9 +286,8 @@ class HSTUModel(nn.Module):
         neg_id = _take(
             batch.values["negative"], neg_start[:, None] + jnp.arange(r, dtype=jnp.int32)
         )  # [E, R]
-        table = self.embedding.item
         cand = jnp.concatenate([pos_id[:, None], neg_id], axis=1)  # [E, 1 + R]
-        emb = _normalize(_lookup(table, cand))
+        emb = _normalize(self.embedding.lookup("item", cand, tables))
         logits = jnp.einsum("ed,erd->er", query, emb) / self.cfg.retrieval_temperature
         dup = jnp.concatenate(
             [jnp.zeros_like(pos_id[:, None], bool), neg_id == pos_id[:, None]], axis=1
@@ -275,11 +304,16 @@ class HSTUModel(nn.Module):
         return jnp.sum(jnp.where(valid, per, 0.0)) / denom, aux
 
 
-def build_model(cfg: ModelConfig, max_seqlen: int, interpret: bool | None = None) -> HSTUModel:
+def build_model(
+    cfg: ModelConfig,
+    max_seqlen: int,
+    interpret: bool | None = None,
+    external_tables: bool = False,
+) -> HSTUModel:
     attn = AttentionConfig(
         cfg.attention_impl("jax"), max_seqlen, cfg.resolved_alpha, cfg.normalizer, interpret
     )
-    return HSTUModel(cfg, attn)
+    return HSTUModel(cfg, attn, external_tables)
 
 
 _LAYER = re.compile(r"^layers_(\d+)$")

@@ -1,5 +1,5 @@
-"""The JAX backend's training state: `TrainState` (params, optimizer state, step, RNG key) and
-the optimizer.
+"""The JAX backend's training state: `TrainState` (params, optimizer state, step, RNG key, and
+with `embedding.sharding` != none the sharded tables) and the optimizer.
 
 Kept apart from `train_step.py` (which runs steps) and `checkpoint.py` / `convert.py` (which
 store and convert this state), so that none of those import each other in a circle.
@@ -27,18 +27,24 @@ class TrainState:
     opt_state: Any
     step: jax.Array  # int32 scalar: optimizer steps taken
     rng: jax.Array  # uint32 [2]: base key; dropout uses fold_in(rng, step, rank)
+    # Sharded tables (embedding.py's `init_tables` tree: weights, their optimizer's state and
+    # count), rows over the mesh; None when the tables are dense params (embedding.sharding=none)
+    tables: Any = None
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "params": self.params,
             "opt_state": self.opt_state,
             "step": self.step,
             "rng": self.rng,
         }
+        if self.tables is not None:
+            out["tables"] = self.tables
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
-        return cls(d["params"], d["opt_state"], d["step"], d["rng"])
+        return cls(d["params"], d["opt_state"], d["step"], d["rng"], d.get("tables"))
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -60,3 +66,31 @@ def init_state(
         tree, optimizer.init(tree), jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed)
     )
     return jax.device_put(state, NamedSharding(mesh, P()))
+
+
+def dense_params(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Core-named params without the embedding tables (sharded: held apart, `tables`)."""
+    return {k: v for k, v in params.items() if not k.startswith("embedding.")}
+
+
+def init_sharded_state(
+    params: dict[str, np.ndarray],
+    optimizer: optax.GradientTransformation,
+    setup,
+    mesh: Mesh,
+    seed: int = 0,
+) -> TrainState:
+    """Sharded tables (`setup`: an `embedding.EmbeddingSetup`) over `mesh`'s rows, their
+    optimizer state zero; the dense params and their AdamW state replicated."""
+    from hstu.jax_backend.collectives import DATA_AXIS
+    from hstu.jax_backend.embedding import init_tables, tables_spec
+    from hstu.jax_backend.model import params_to_flax
+
+    tree = params_to_flax(dense_params(params))
+    state = TrainState(
+        tree, optimizer.init(tree), jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed)
+    )
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    host, spec = init_tables(setup, params), tables_spec(setup, DATA_AXIS)
+    tables = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in host.items()}
+    return dataclasses.replace(state, tables=tables)

@@ -7,7 +7,12 @@ a replicated shard_map input), then Optax AdamW. Where a sample trains never cha
 or the gradient, so identity and balanced shuffling agree to float rounding.
 
 Order of parallelism, in one place: (1) the core pipeline's balanced shuffle of the batch over
-the data axis, (2) the data-parallel step over the same axis, params replicated.
+the data axis, (2) the data-parallel step over the same axis, params replicated; with sharded
+tables (`embedding.sharding` != none, `make_sharded_train_step`) the step is (2a) the table
+lookup (ids to their owners and rows back: 2 all_to_alls per table, `embedding.py`), (2b) the
+data-parallel forward and backward with respect to the dense params and the looked-up rows,
+(2c) the row gradients back to their owners (1 all_to_all per table) and the touched-rows
+update, then AdamW on the dense params; all one jitted program, over the same axis.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 from hstu.errors import HSTUError
 from hstu.jax_backend import collectives as col
+from hstu.jax_backend import embedding as emb
 from hstu.jax_backend.batch import DeviceBatch, local_view
 from hstu.jax_backend.model import HSTUModel
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
-from hstu.jax_backend.state import TrainState, init_state, make_optimizer
+from hstu.jax_backend.state import TrainState, init_sharded_state, init_state, make_optimizer
 from hstu.pipeline import STAT_LOSS_TOKENS
 
 __all__ = [
@@ -34,6 +40,8 @@ __all__ = [
     "init_state",
     "make_loss_fn",
     "make_optimizer",
+    "make_sharded_loss_fn",
+    "make_sharded_train_step",
     "make_train_step",
     "run_training",
 ]
@@ -86,6 +94,81 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
+def make_sharded_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
+    """`(params, ids, rows, batch, global_loss_tokens, rng) -> (loss, aux)` of a model with
+    external tables: `ids[name] [W, U]`, `rows[name] [W, U, D]` each rank's cache
+    (`embedding.make_lookup`). Its gradient with respect to `rows` is per rank (no sum)."""
+
+    def per_rank(params, ids, rows, batch, global_loss_tokens, rng):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
+        tables = {n: (ids[n][0], rows[n][0]) for n in ids}
+        loss, aux = model.apply(
+            {"params": params},
+            local_view(batch),
+            global_loss_tokens,
+            deterministic=not train,
+            rngs={"dropout": rng},
+            tables=tables,
+        )
+        return jax.lax.psum((loss, aux), col.DATA_AXIS)
+
+    ranks = P(col.DATA_AXIS)
+    return col.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), ranks, ranks, ranks, P(), P()),
+        out_specs=(P(), P()),
+        check=model.attn.impl == "reference",
+    )
+
+
+def make_sharded_train_step(
+    model: HSTUModel,
+    optimizer: optax.GradientTransformation,
+    setup: emb.EmbeddingSetup,
+    mesh: Mesh,
+    donate: bool = True,
+) -> Callable:
+    """Jitted `(state, batch, global_loss_tokens) -> (state, metrics)` with sharded tables;
+    donates the state (the tables' touched rows are written in place). `grad_norm` is that of
+    the gradients a data-parallel run all-reduces, as in torch (docs/MODEL.md): the dense
+    ones, and with `data_parallel` the tables' too (the touched rows': every other is zero)."""
+    if not model.external_tables:
+        raise HSTUError("embedding.sharding: the model must be built with external_tables=True")
+    loss_fn = make_sharded_loss_fn(model, mesh)
+    lookup = emb.make_lookup(setup, mesh, col.DATA_AXIS)
+    update = emb.make_update(setup, mesh, col.DATA_AXIS)
+
+    def step(state: TrainState, batch: DeviceBatch, global_loss_tokens):
+        rng = jax.random.fold_in(state.rng, state.step)
+        routes, rows = lookup(state.tables["weights"], batch)
+        ids = {n: r["uniq"] for n, r in routes.items()}
+        (loss, aux), (grads, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 2), has_aux=True)(
+            state.params, ids, rows, batch, global_loss_tokens, rng
+        )
+        tables, table_sq = update(state.tables, routes, g_rows)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if not setup.replicated:
+            table_sq = 0.0
+        grad_norm = jax.numpy.sqrt(optax.tree.norm(grads) ** 2 + table_sq)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
+        return TrainState(params, opt_state, state.step + 1, state.rng, tables), metrics
+
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def full_params(state: TrainState, setup: emb.EmbeddingSetup, mesh: Mesh):
+    """The Flax params tree with the sharded tables gathered whole, replicated (evaluation)."""
+
+    def merge(params, weights):
+        tables = {lay.name: weights[lay.name][: lay.num_rows] for lay in setup.layouts}
+        return {**params, "embedding": tables}
+
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    return jax.jit(merge, out_shardings=replicated)(state.params, state.tables["weights"])
+
+
 def _zero_update(optimizer: optax.GradientTransformation) -> Callable:
     """The AdamW update on zero gradients: the update's cost without its gradients."""
 
@@ -107,9 +190,12 @@ class JaxBackend:
         state: TrainState,
         model: HSTUModel | None = None,
         optimizer: optax.GradientTransformation | None = None,
+        tables: emb.EmbeddingSetup | None = None,
     ):
         self.shuffler, self.step_fn, self.state = shuffler, step_fn, state
         self.model, self.optimizer = model, optimizer  # for `probe` (benchmarks)
+        self.tables = tables  # sharded embedding tables (state.tables), or None
+        self._full: tuple = (None, None)  # (state, its params with the tables gathered)
         self._timers: dict = {}
         self.world_size, self.local_ranks = shuffler.world_size, shuffler.local_ranks
         self.is_main = jax.process_index() == 0
@@ -161,6 +247,11 @@ class JaxBackend:
 
         if self.model is None or self.optimizer is None:
             raise HSTUError("JaxBackend.probe needs the model and optimizer it was built with")
+        if self.tables is not None:
+            raise HSTUError(
+                "hstu bench e2e: the JAX phase probes time replicated tables; run them with "
+                "embedding.sharding=none"
+            )
         if not self._timers:
             self._timers["rank"] = RankTimer(self.model)
             self._timers["step"] = make_train_step(
@@ -210,7 +301,16 @@ class JaxBackend:
 
         if self.model is None:
             raise HSTUError("JaxBackend.evaluator needs the model it was built with")
-        return JaxEvaluator(self.model, lambda: self.state.params, self._devices[0])
+        if self.tables is None:
+            return JaxEvaluator(self.model, lambda: self.state.params, self._devices[0])
+        model = self.model.clone(external_tables=False)  # the tables as params again
+        return JaxEvaluator(model, self._full_params, self._devices[0])
+
+    def _full_params(self):
+        """One gathered tree per train state (the evaluator copies it once per step)."""
+        if self._full[0] is not self.state:
+            self._full = (self.state, full_params(self.state, self.tables, self.shuffler.mesh))
+        return self._full[1]
 
     def broadcast_flag(self, flag: bool) -> bool:
         if jax.process_count() == 1:  # one controller drives every rank
@@ -233,19 +333,32 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     from hstu.jax_backend.model import build_model
     from hstu.params import init_params
 
-    tc = cfg.train
+    tc, sharded = cfg.train, cfg.embedding.sharded
     mesh = col.make_mesh(devices)
-    model = build_model(cfg.model, cfg.data.max_seqlen, interpret=devices[0].platform == "cpu")
+    model = build_model(
+        cfg.model,
+        cfg.data.max_seqlen,
+        interpret=devices[0].platform == "cpu",
+        external_tables=sharded,
+    )
     optimizer = make_optimizer(tc)
-    state = init_state(init_params(cfg.model, tc.seed), optimizer, mesh, tc.seed)
+    params = init_params(cfg.model, tc.seed)
+    setup = emb.EmbeddingSetup.from_config(cfg, mesh.size) if sharded else None
+    if setup is not None:
+        state = init_sharded_state(params, optimizer, setup, mesh, tc.seed)
+        step_fn = make_sharded_train_step(model, optimizer, setup, mesh)
+    else:
+        state = init_state(params, optimizer, mesh, tc.seed)
+        step_fn = make_train_step(model, optimizer, mesh)
     source = source if source is not None else source_from_config(cfg)
     policy = capacity.for_source(cfg, source)
     backend = JaxBackend(
         JaxShuffler(mesh, cfg.balance.exchange, policy.capacity),
-        make_train_step(model, optimizer, mesh),
+        step_fn,
         state,
         model,
         optimizer,
+        setup,
     )
 
     def set_state(tree: dict) -> None:
