@@ -50,14 +50,44 @@ def param_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_params(model, seed: int) -> dict[str, np.ndarray]:
-    """fp32 numpy parameters, identical on every machine for the same (config, seed)."""
+# An embedding table is initialised in blocks of this many rows, block b from its own seed, so
+# a rank that holds rows [a, b) of a sharded table draws those rows alone (`init_table_rows`).
+# Block 0's seed is the table's own, so a table of up to this many rows is one draw.
+TABLE_INIT_BLOCK = 1 << 17
+
+
+def _rng(seed: int, name: str, *extra: int) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode()), *extra])
+
+
+def init_table_rows(model, seed: int, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of embedding table `name` as `init_params` gives them (fp32),
+    drawing only the blocks of `TABLE_INIT_BLOCK` rows that hold them."""
+    rows, dim = param_shapes(model)[name]
+    if not (name.startswith("embedding.") and 0 <= start <= stop <= rows):
+        raise ValueError(f"init_table_rows: {name} rows [{start}, {stop}) of {rows}")
+    out = np.empty((stop - start, dim), np.float32)
+    for block in range(start // TABLE_INIT_BLOCK, -(-stop // TABLE_INIT_BLOCK)):
+        lo = block * TABLE_INIT_BLOCK
+        hi = min(lo + TABLE_INIT_BLOCK, rows)
+        rng = _rng(seed, name) if block == 0 else _rng(seed, name, block)
+        arr = rng.normal(0.0, 1.0 / np.sqrt(dim), size=(hi - lo, dim))
+        a, b = max(lo, start), min(hi, stop)
+        out[a - start : b - start] = arr[a - lo : b - lo]
+    return out
+
+
+def init_params(model, seed: int, tables: bool = True) -> dict[str, np.ndarray]:
+    """fp32 numpy parameters, identical on every machine for the same (config, seed);
+    `tables=False` leaves the embedding tables out (sharded tables draw their own rows)."""
     out = {}
     for name, shape in param_shapes(model).items():
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if name.startswith("embedding."):
-            arr = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), size=shape)
-        elif name.endswith(".kernel"):
+            if tables:
+                out[name] = init_table_rows(model, seed, name, 0, shape[0])
+            continue
+        rng = _rng(seed, name)
+        if name.endswith(".kernel"):
             limit = np.sqrt(6.0 / (shape[0] + shape[1]))  # Glorot uniform
             arr = rng.uniform(-limit, limit, size=shape)
         elif name.endswith(".scale"):

@@ -97,7 +97,10 @@ class HSTULayer(nn.Module):
 
 
 class HSTUModel(nn.Module):
-    def __init__(self, cfg, device: torch.device | str = "cpu"):
+    def __init__(self, cfg, device: torch.device | str = "cpu", meta_tables: bool = False):
+        """`meta_tables`: the embedding tables are built on the meta device, holding no memory
+        (TorchRec's sharding then allocates each rank's shards: hstu/torch_backend/sharding.py);
+        everything else on `device`."""
         super().__init__()
         self.cfg = cfg
         d = cfg.embedding_dim
@@ -109,7 +112,8 @@ class HSTUModel(nn.Module):
                 EmbeddingConfig(
                     cfg.num_contextual_ids, d, name="contextual", feature_names=["contextual"]
                 ),
-            ]
+            ],
+            device=torch.device("meta") if meta_tables else None,
         )
         attention = get_attention(cfg.attention_impl("torch"), device)
         self.layers = nn.ModuleList(HSTULayer(cfg, attention) for _ in range(cfg.num_layers))
@@ -122,7 +126,9 @@ class HSTUModel(nn.Module):
         # Set when the tables are sharded (sharding.py): the features the sharded collection
         # looks up, so its all-to-alls carry ids only (not timestamps or labels).
         self.embedding_keys: list[str] | None = None
-        self.to(device)
+        for name, child in self.named_children():
+            if not (meta_tables and name == "embedding"):
+                child.to(device)
 
     # ------------------------------------------------------------------ parameters
     @staticmethod
@@ -134,9 +140,12 @@ class HSTUModel(nn.Module):
     def named_core_parameters(self) -> dict[str, nn.Parameter]:
         return {self.core_name(n): p for n, p in self.named_parameters()}
 
-    def load_params(self, params: dict[str, np.ndarray]) -> None:
+    def load_params(self, params: dict[str, np.ndarray], tables: bool = True) -> None:
+        """Every parameter by core name; `tables=False`: all but the embedding tables."""
         mine = self.named_core_parameters()
         expected = param_shapes(self.cfg)
+        if not tables:
+            expected = {n: s for n, s in expected.items() if not n.startswith("embedding.")}
         if set(params) != set(expected):
             raise HSTUError(
                 f"load_params: missing {sorted(set(expected) - set(params))}, "

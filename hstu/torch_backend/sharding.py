@@ -149,7 +149,6 @@ class FusedTables:
         # assumes DDP's per-rank mean loss); our loss is already normalised globally, so the
         # sum over ranks is the gradient (hstu/pipeline.py). Process-wide, like the setting.
         comm_ops.set_gradient_division(False)
-        full = {t: model.embedding.embeddings[t].weight.detach().clone() for t in TABLES}
         model.embedding_keys = embedding_features(model)
         fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": e.lr}
         fused["eps"] = e.eps
@@ -196,21 +195,25 @@ class FusedTables:
         }
         self.reduced_params = list(self.dense.values())
         self.count = 0
-        self._copy_in(full)
+        self._init_shards(cfg.model, cfg.train.seed)
 
     def sharding_types(self) -> dict[str, str]:
         plan = self.plan.get_plan_for_module("embedding") or {}
         return {t: plan[t].sharding_type for t in TABLES if t in plan}
 
     @torch.no_grad()
-    def _copy_in(self, full: dict[str, torch.Tensor]) -> None:
-        """The replicated init into this rank's shards: the same model as sharding=none."""
+    def _init_shards(self, model_cfg, seed: int) -> None:
+        """Each shard drawn from the core init (`hstu.params.init_table_rows`, its rows only):
+        the same model as sharding=none, and no rank ever holds a whole table."""
+        from hstu.params import init_table_rows
+
         weights, _ = self.checkpoint_state()
         for name, st in weights.items():
-            table = full[name.split(".")[2]]
+            core = "embedding." + name.split(".")[2]
             for shard in st.local_shards():
                 (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(table[r0 : r0 + nr, c0 : c0 + nc])
+                rows = init_table_rows(model_cfg, seed, core, r0, r0 + nr)[:, c0 : c0 + nc]
+                shard.tensor.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
 
     def step(self) -> None:
         self.count += 1  # the rows were updated inside backward

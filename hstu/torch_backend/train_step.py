@@ -47,8 +47,11 @@ class TorchBackend(TorchShuffler):
         self.device_name = (
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         )
-        self.model = HSTUModel(cfg.model, self.device)
-        self.model.load_params(init_params(cfg.model, cfg.train.seed))
+        # table_wise / row_wise / auto: the tables stay on the meta device until sharded, and
+        # each rank then draws its own rows (sharding.py): no rank ever holds a whole table
+        fused = cfg.embedding.sharding not in ("none", "data_parallel")
+        self.model = HSTUModel(cfg.model, self.device, meta_tables=fused)
+        self.model.load_params(init_params(cfg.model, cfg.train.seed, not fused), not fused)
         # embedding.sharding != none: the tables leave AdamW (sharding.py)
         self.tables = shard_tables(self.model, cfg, world_size, self.device, group)
         if self.tables is None:

@@ -25,3 +25,30 @@ def test_adding_a_parameter_keeps_the_others():
 def test_retrieval_has_no_ranking_head():
     names = param_shapes(ModelConfig(task="retrieval"))
     assert not any(n.startswith("head.") for n in names)
+
+
+def test_a_table_is_drawn_in_seeded_row_blocks_any_slice_alone():
+    """A sharded rank draws only its rows, yet gets exactly what the whole-table init gives;
+    a table of up to one block is the single draw of earlier releases (checkpoints and golden
+    curves keep their numbers)."""
+    import zlib
+
+    from hstu.params import TABLE_INIT_BLOCK, init_table_rows
+
+    m = ModelConfig(embedding_dim=4, num_items=2 * TABLE_INIT_BLOCK + 5, num_actions=7)
+    whole = init_params(m, 1)
+    for name in ("embedding.item", "embedding.action"):
+        rows = whole[name].shape[0]
+        for a, b in (
+            (0, rows),
+            (3, 9),
+            (TABLE_INIT_BLOCK - 2, TABLE_INIT_BLOCK + 3),
+            (rows - 1, rows),
+        ):
+            if b <= rows:
+                np.testing.assert_array_equal(init_table_rows(m, 1, name, a, b), whole[name][a:b])
+    one_draw = np.random.default_rng([1, zlib.crc32(b"embedding.action")]).normal(0, 0.5, (7, 4))
+    np.testing.assert_array_equal(whole["embedding.action"], one_draw.astype(np.float32))
+    first = whole["embedding.item"][:TABLE_INIT_BLOCK]
+    assert not np.array_equal(first[:5], whole["embedding.item"][TABLE_INIT_BLOCK:][:5])
+    assert "embedding.item" not in init_params(m, 1, tables=False)
