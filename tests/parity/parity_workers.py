@@ -337,6 +337,52 @@ def kernels(mode: str = "interpret") -> dict:
     return results
 
 
+# ------------------------------------------------------------------------------ sharded tables
+SHARDED_STEPS = 30
+SHARDINGS = ("table_wise", "row_wise", "data_parallel", "auto")
+
+
+def sharded_config(sharding: str, out_dir: str, backend: str):
+    """A small ranking model, 2 ranks, fp32, tables of uneven row counts, `sharding`."""
+    from hstu.config import load_config
+
+    return load_config(
+        DEMO_CONFIG,
+        [
+            f"train.steps={SHARDED_STEPS}",
+            "train.log_every=1000",
+            "train.tensorboard=false",
+            "dist.world_size=2",
+            "data.batch_size=4",
+            "model.num_layers=1",
+            "model.embedding_dim=16",
+            "model.num_items=301",
+            "model.num_contextual_ids=51",
+            f"embedding.sharding={sharding}",
+            "embedding.lr=0.05",
+            f"output_dir={Path(out_dir) / backend / sharding}",
+        ],
+    )
+
+
+def torch_sharded_curves(rank: int, world: int, device: str, out_dir: str) -> dict:
+    """Rank 0: `{sharding: losses}`, every sharding trained in this one process group."""
+    from hstu.torch_backend.train_step import run_rank
+
+    curves = {}
+    for sharding in SHARDINGS:
+        rows = run_rank(sharded_config(sharding, out_dir, "torch"), rank, world, device)
+        curves[sharding] = [r["loss"] for r in rows]
+    return curves
+
+
+def jax_sharded_curves(out_dir: str) -> dict:
+    """`{sharding: losses}` on 2 host devices, every sharding in this one process."""
+    from hstu.jax_backend.launch import train
+
+    return {s: [r["loss"] for r in train(sharded_config(s, out_dir, "jax"))] for s in SHARDINGS}
+
+
 if __name__ == "__main__":
     if os.environ.get("HSTU_TEST_DEVICES"):
         import jax
