@@ -124,19 +124,43 @@ def pad_rows(table: np.ndarray, lay: TableLayout) -> np.ndarray:
     return out
 
 
-def init_tables(setup: EmbeddingSetup, params: dict[str, np.ndarray]) -> dict:
-    """Host tree `{"weights": {name}, <state field>: {name}, "count"}` from core-named params:
-    the tables padded to their stored rows, the optimizer state zero (fbgemm's initial state)."""
-    tree: dict = {"weights": {}, "count": np.zeros((), np.int32)}
+def device_tables(setup: EmbeddingSetup, mesh, axis: str, rows_of) -> dict:
+    """The tables tree `{"weights": {name}, <state field>: {name}, "count"}` on `mesh`, never a
+    whole table on the host: each device's block of rows comes from `rows_of(name, start,
+    stop)` (fp32 `[stop - start, D]`, real rows only; padding rows are zero), and the optimizer
+    state is zero (fbgemm's initial state)."""
+    from jax.sharding import NamedSharding
+
+    spec = tables_spec(setup, axis)
+
+    def placed(shape, partition, fill):
+        def block(index):
+            bounds = [sl.indices(n) for sl, n in zip(index, shape, strict=False)]
+            return fill(*bounds[0][:2]) if bounds else fill(0, 0)
+
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, partition), block)
+
+    tree: dict = {"weights": {}}
+    tree["count"] = placed((), spec["count"], lambda a, b: np.zeros((), np.int32))
     for f in setup.state_fields:
         tree[f] = {}
     for lay in setup.layouts:
-        tree["weights"][lay.name] = pad_rows(params[f"embedding.{lay.name}"], lay)
+        rows, part = lay.padded_rows, spec["weights"]
+
+        def weights(start, stop, lay=lay):
+            out = np.zeros((stop - start, lay.dim), np.float32)
+            real = min(stop, lay.num_rows)
+            if real > start:
+                out[: real - start] = rows_of(lay.name, start, real)
+            return out
+
+        tree["weights"][lay.name] = placed((rows, lay.dim), part, weights)
         if "sum" in tree:
-            tree["sum"][lay.name] = np.zeros((lay.padded_rows,), np.float32)
+            tree["sum"][lay.name] = placed((rows,), part, lambda a, b: np.zeros(b - a, np.float32))
         for f in ("m", "v"):
             if f in tree:
-                tree[f][lay.name] = np.zeros((lay.padded_rows, lay.dim), np.float32)
+                zeros = lambda a, b, d=lay.dim: np.zeros((b - a, d), np.float32)  # noqa: E731
+                tree[f][lay.name] = placed((rows, lay.dim), part, zeros)
     return tree
 
 

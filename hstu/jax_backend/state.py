@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hstu.config import TrainConfig
+from hstu.errors import HSTUError
 
 
 @jax.tree_util.register_dataclass
@@ -27,7 +28,7 @@ class TrainState:
     opt_state: Any
     step: jax.Array  # int32 scalar: optimizer steps taken
     rng: jax.Array  # uint32 [2]: base key; dropout uses fold_in(rng, step, rank)
-    # Sharded tables (embedding.py's `init_tables` tree: weights, their optimizer's state and
+    # Sharded tables (embedding.py's `device_tables` tree: weights, their optimizer's state and
     # count), rows over the mesh; None when the tables are dense params (embedding.sharding=none)
     tables: Any = None
 
@@ -79,11 +80,14 @@ def init_sharded_state(
     setup,
     mesh: Mesh,
     seed: int = 0,
+    table_rows=None,
 ) -> TrainState:
     """Sharded tables (`setup`: an `embedding.EmbeddingSetup`) over `mesh`'s rows, their
-    optimizer state zero; the dense params and their AdamW state replicated."""
+    optimizer state zero; the dense params and their AdamW state replicated. The tables come
+    from `params` when it holds them, else from `table_rows(name, start, stop)`, asked for
+    each device's rows only (`hstu.params.init_table_rows`: no whole table on the host)."""
     from hstu.jax_backend.collectives import DATA_AXIS
-    from hstu.jax_backend.embedding import init_tables, tables_spec
+    from hstu.jax_backend.embedding import device_tables
     from hstu.jax_backend.model import params_to_flax
 
     tree = params_to_flax(dense_params(params))
@@ -91,6 +95,14 @@ def init_sharded_state(
         tree, optimizer.init(tree), jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed)
     )
     state = jax.device_put(state, NamedSharding(mesh, P()))
-    host, spec = init_tables(setup, params), tables_spec(setup, DATA_AXIS)
-    tables = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in host.items()}
+
+    def rows_of(name: str, start: int, stop: int) -> np.ndarray:
+        whole = params.get(f"embedding.{name}")
+        if whole is not None:
+            return np.asarray(whole[start:stop], np.float32)
+        if table_rows is None:
+            raise HSTUError(f"init_sharded_state: no embedding.{name} and no table_rows")
+        return table_rows(name, start, stop)
+
+    tables = device_tables(setup, mesh, DATA_AXIS, rows_of)
     return dataclasses.replace(state, tables=tables)

@@ -331,7 +331,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     from hstu.data import source_from_config
     from hstu.jax_backend.checkpoint import TrainCheckpointer
     from hstu.jax_backend.model import build_model
-    from hstu.params import init_params
+    from hstu.params import init_params, init_table_rows
 
     tc, sharded = cfg.train, cfg.embedding.sharded
     mesh = col.make_mesh(devices)
@@ -342,10 +342,14 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
         external_tables=sharded,
     )
     optimizer = make_optimizer(tc)
-    params = init_params(cfg.model, tc.seed)
+    params = init_params(cfg.model, tc.seed, tables=not sharded)
     setup = emb.EmbeddingSetup.from_config(cfg, mesh.size) if sharded else None
-    if setup is not None:
-        state = init_sharded_state(params, optimizer, setup, mesh, tc.seed)
+    if setup is not None:  # each device's rows drawn alone: no whole table on the host
+
+        def table_rows(name: str, start: int, stop: int) -> np.ndarray:
+            return init_table_rows(cfg.model, tc.seed, f"embedding.{name}", start, stop)
+
+        state = init_sharded_state(params, optimizer, setup, mesh, tc.seed, table_rows)
         step_fn = make_sharded_train_step(model, optimizer, setup, mesh)
     else:
         state = init_state(params, optimizer, mesh, tc.seed)
