@@ -254,10 +254,12 @@ class TrainingEvaluation:
     with the model in eval mode, right after the update of every `train.eval_every`-th step
     is dispatched and before the next step touches the parameters. It draws from no RNG
     stream of the run (evaluation negatives come from generators seeded per user), so
-    training continues exactly as it would without it. Every rank then calls one collective,
-    `backend.broadcast_flag(stop)`, at every evaluation point (the ranks know the cadence from
-    the config, so none skips it): the others wait there for the evaluating process, beating
-    their watchdogs, and all learn together whether early stopping ends the run. An
+    training continues exactly as it would without it. Every rank calls
+    `backend.prepare_evaluation()` first (torch gathers sharded tables to rank 0 there) and
+    one collective after, `backend.broadcast_flag(stop)`, at every evaluation point (the ranks
+    know the cadence from the config, so none skips it): the others wait there for the
+    evaluating process, beating their watchdogs, and all learn together whether early
+    stopping ends the run. An
     evaluation must end within `dist.timeout_s` (the wait is a collective): bound it with
     `eval.max_users`.
 
@@ -304,6 +306,7 @@ class TrainingEvaluation:
     def after_step(self, done: int, beat: Callable[[], None]) -> bool:
         """Every rank, at every due step: evaluate (logging process), then agree on stopping."""
         stop = False
+        _beating(lambda: self.backend.prepare_evaluation() or True, beat)
         if self.main:
             results, seconds = self._run("valid", self.ec.max_users, beat)
             stop = self._early_stop(done, results)
@@ -365,9 +368,13 @@ class TrainingEvaluation:
         return row
 
     def finish(self, done: int, beat: Callable[[], None]) -> dict | None:
-        """The final test (logging process only; no collective): the best evaluation's
-        parameters when early stopping tracked one, else the current ones."""
-        if not (self.main and self.ec.final_test):
+        """The final test (logging process only, after one collective on every rank,
+        `prepare_evaluation`): the best evaluation's parameters when early stopping tracked
+        one, else the current ones."""
+        if not self.ec.final_test:
+            return None
+        _beating(lambda: self.backend.prepare_evaluation() or True, beat)
+        if not self.main:
             return None
         params_step = done
         if self.best_params is not None:

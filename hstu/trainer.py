@@ -73,6 +73,10 @@ class TrainBackend(pipeline.Backend, Protocol):
     def evaluator(self):
         """The logging process's `hstu.eval_loop.Scorer` of the live model (eval mode)."""
 
+    def prepare_evaluation(self) -> None:
+        """Collective, every rank, before each evaluation: bring to the logging process what
+        its scorer needs that other ranks hold (torch: shards of sharded tables)."""
+
     def broadcast_flag(self, flag: bool) -> bool:
         """Collective: the logging process's `flag` on every rank."""
 

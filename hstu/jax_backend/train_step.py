@@ -312,6 +312,9 @@ class JaxBackend:
             self._full = (self.state, full_params(self.state, self.tables, self.shuffler.mesh))
         return self._full[1]
 
+    def prepare_evaluation(self) -> None:
+        """Nothing to bring over: the evaluator gathers sharded tables itself."""
+
     def broadcast_flag(self, flag: bool) -> bool:
         if jax.process_count() == 1:  # one controller drives every rank
             return bool(flag)

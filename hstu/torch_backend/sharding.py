@@ -56,20 +56,6 @@ def check_sharding(cfg, device_type: str) -> None:
             "table-batched-embedding kernels have no Adam (use embedding.optimizer="
             "row_wise_adagrad, or dist.device=cuda)"
         )
-    if e.sharding == "data_parallel":
-        return  # replicated tables: evaluation and probes work as with sharding=none
-    if cfg.bench.probe_every:
-        raise HSTUError(
-            f"bench.probe_every={cfg.bench.probe_every} with embedding.sharding={e.sharding}: "
-            "a probe's extra backward would apply the fused table update; set "
-            "bench.probe_every=0 or embedding.sharding=none|data_parallel"
-        )
-    if cfg.data.source == "prepared" and (cfg.train.eval_every or cfg.eval.final_test):
-        raise HSTUError(
-            f"evaluation (train.eval_every / eval.final_test) with embedding.sharding="
-            f"{e.sharding}: the evaluation runs on rank 0 alone and needs whole tables; set "
-            "train.eval_every=0 eval.final_test=false, or embedding.sharding=none|data_parallel"
-        )
 
 
 def embedding_features(model) -> list[str]:
@@ -252,6 +238,34 @@ class FusedTables:
             if hasattr(m, "iter"):
                 m.iter.fill_(count)
                 m.iter_cpu.fill_(count)
+
+    def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """Collective (every rank of the tables' group): the whole tables, fp32 numpy by core
+        name, on the group's rank 0 (None elsewhere). Evaluation only: that rank then holds
+        every table whole."""
+        weights, _ = self.checkpoint_state()
+        mine = {
+            "embedding." + name.split(".")[2]: [
+                (*s.metadata.shard_offsets, s.tensor.detach().cpu().numpy())
+                for s in st.local_shards()
+            ]
+            for name, st in weights.items()
+        }
+        first = dist.get_rank(self.group) == 0
+        everyone = [None] * dist.get_world_size(self.group) if first else None
+        dst = dist.get_global_rank(self.group, 0)
+        dist.gather_object(mine, everyone, dst=dst, group=self.group)
+        if not first:
+            return None
+        shapes = {n: tuple(st.size()) for n, st in weights.items()}
+        out = {}
+        for name, shape in shapes.items():
+            core = "embedding." + name.split(".")[2]
+            out[core] = np.zeros(shape, np.float32)
+            for shards in everyone:
+                for r0, c0, w in shards.get(core, []):
+                    out[core][r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
+        return out
 
     def local_shards(self) -> dict:
         """`{core name: [(row offset, col offset, weights, state)]}` of this rank (tests)."""

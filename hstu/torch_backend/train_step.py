@@ -66,6 +66,7 @@ class TorchBackend(TorchShuffler):
                 n: p for n, p in self.model.named_core_parameters().items() if id(p) in ids
             }
         self.buckets = GradBuckets(self.params, world_size, group)
+        self._eval_model: HSTUModel | None = None  # fused tables: rank 0's evaluation copy
 
     def _mark(self, marks: list | None) -> None:
         """Record a device event at a phase boundary (CUDA only; `probe` reads them)."""
@@ -169,9 +170,32 @@ class TorchBackend(TorchShuffler):
         }
 
     def evaluator(self):
+        """The live model; with table_wise / row_wise / auto tables, whose lookups are
+        collectives, a replicated copy on rank 0 that `prepare_evaluation` refreshes."""
         from hstu.torch_backend.evaluate import TorchEvaluator
 
-        return TorchEvaluator(self.model, self.device)
+        if getattr(self.tables, "kind", None) != "fused":
+            return TorchEvaluator(self.model, self.device)
+        if self._eval_model is None:
+            self._eval_model = HSTUModel(self.cfg.model, self.device)
+        return TorchEvaluator(self._eval_model, self.device)
+
+    def prepare_evaluation(self) -> None:
+        """Collective with fused sharded tables: every rank's shards to rank 0, which loads
+        them and the live dense parameters into its evaluation copy (whole tables on rank 0)."""
+        if getattr(self.tables, "kind", None) != "fused":
+            return
+        tables = self.tables.gather_weights()
+        if not self.is_main:
+            return
+        if self._eval_model is None:
+            self._eval_model = HSTUModel(self.cfg.model, self.device)
+        dense = {
+            n: p.detach().cpu().numpy()
+            for n, p in self.model.named_core_parameters().items()
+            if not n.startswith("embedding.")
+        }
+        self._eval_model.load_params(dense | tables)
 
     def broadcast_flag(self, flag: bool) -> bool:
         if self.world_size == 1:

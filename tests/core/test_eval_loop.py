@@ -98,10 +98,13 @@ class FakeBackend:
     is_main = True
 
     def __init__(self, scorer):
-        self.scorer, self.flags = scorer, []
+        self.scorer, self.flags, self.prepared = scorer, [], 0
 
     def evaluator(self):
         return self.scorer
+
+    def prepare_evaluation(self):
+        self.prepared += 1
 
     def broadcast_flag(self, flag):
         self.flags.append(flag)

@@ -50,3 +50,33 @@ def test_early_stopping_ends_every_rank_after_the_same_step(prepared_data, tmp_p
         (15, "valid"),
         (15, "test"),
     ]
+
+
+def test_sharded_tables_are_gathered_for_evaluation(prepared_data, tmp_path):
+    """row_wise tables (TorchRec DMP, each rank holds half the rows) evaluate like
+    data_parallel ones (every rank holds them whole): the same update, so the same metrics."""
+    reports = {}
+    for sharding in ("row_wise", "data_parallel"):
+        out = tmp_path / sharding
+        argv = [
+            "train",
+            "--backend",
+            "torch",
+            *prepared_overrides(prepared_data["ml-1m"], "retrieval", out),
+            "dist.world_size=2",
+            "data.batch_size=16",
+            "train.steps=6",
+            "train.eval_every=3",
+            f"embedding.sharding={sharding}",
+            "eval.max_users=100",
+            "eval.test_max_users=100",
+            "eval.baselines=false",
+        ]
+        assert main(argv) == 0
+        reports[sharding] = json.loads((out / "eval_test.json").read_text())["metrics"]
+        lines = (out / "eval.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [3, 6, 6]
+    row_wise, replicated = reports["row_wise"], reports["data_parallel"]
+    assert set(row_wise) == set(replicated) and "full/ndcg@10" in row_wise
+    for key, value in replicated.items():
+        assert row_wise[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
