@@ -13,9 +13,10 @@ folder renamed when finished (leftovers are removed when a manager opens the dir
 old steps are deleted by renaming them into `trash/` first, which process 0 empties on open and
 close. The state is replicated and the data position a global sample count, so a checkpoint
 restores on any number of devices (elastic resume); the RNG key is one replicated key. Sharded
-embedding tables (`embedding.py`) are the exception: they are stored as trained, rows padded
-to a multiple of the world size, so they resume on the same `dist.world_size`; `hstu convert
---from jax --to jax SRC DST dist.world_size=W` re-pads them for another.
+embedding tables (`embedding.py`) are stored as trained, rows padded to a multiple of the
+world size; a run of another `dist.world_size` reads them as stored and re-pads them
+(`restore_regridded`), and `hstu convert --from jax --to jax SRC DST dist.world_size=W` does
+the same offline.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -158,20 +160,44 @@ def saved_table_shapes(folder: str | Path) -> dict[tuple[str, str], tuple[int, .
     }
 
 
-def check_table_shapes(folder: Path, abstract: dict) -> None:
-    """HSTUError when the checkpoint's sharded tables were padded for another world size."""
+def _table_mismatches(folder: Path, abstract: dict) -> dict[tuple[str, str], tuple[int, ...]]:
+    """`{(field, table): stored shape}` where the stored rows differ from this run's (the
+    checkpoint was written at another `dist.world_size`, whose padding differs)."""
     tables = abstract.get("tables")
     if not tables:
-        return
-    for (field, name), shape in saved_table_shapes(folder).items():
-        want = tuple(tables[field][name].shape)
-        if shape != want:
-            raise HSTUError(
-                f"{folder} holds the sharded table {name!r} ({field}) stored as {list(shape)} "
-                f"rows x dims, this run stores {list(want)}: it was saved with another "
-                "dist.world_size. Resume with that one, or re-pad the checkpoint: hstu convert "
-                "--from jax --to jax SRC DST dist.world_size=<this run's>"
-            )
+        return {}
+    return {
+        key: shape
+        for key, shape in saved_table_shapes(folder).items()
+        if tuple(tables[key[0]][key[1]].shape) != shape
+    }
+
+
+def restore_regridded(ckpt: Checkpointer, abstract: dict, step: int, mismatched: dict):
+    """Restore tables stored for another world size: read them replicated as stored, then
+    cut or zero-pad their rows to this run's padding and place them as the abstract says.
+    Exact: the rows past a table's real ones are zero (never touched) in both layouts."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    target = {key: abstract["tables"][key[0]][key[1]] for key in mismatched}
+    as_stored = jax.tree.map(lambda x: x, abstract)
+    for (field, name), shape in mismatched.items():
+        want = target[(field, name)]
+        mesh = want.sharding.mesh
+        as_stored["tables"][field][name] = jax.ShapeDtypeStruct(
+            shape, want.dtype, sharding=NamedSharding(mesh, P())
+        )
+    tree, data, step = ckpt.restore(as_stored, step)
+    for (field, name), want in target.items():
+        stored = np.asarray(tree["tables"][field][name].addressable_data(0))  # a whole copy
+        rows = np.zeros(want.shape, stored.dtype)
+        keep = min(len(stored), len(rows))
+        rows[:keep] = stored[:keep]
+        tree["tables"][field][name] = jax.make_array_from_callback(
+            want.shape, want.sharding, lambda index, rows=rows: rows[index]
+        )
+    return tree, data, step
 
 
 def complete_steps(root: str | Path) -> list[int]:
@@ -212,8 +238,11 @@ class TrainCheckpointer:
         if latest is None:
             return None
         abstract = abstract_like(self.get_state())
-        check_table_shapes(self.directory / f"step-{latest}", abstract)
-        tree, data, step = self._manager.restore(abstract, latest)
+        mismatched = _table_mismatches(self.directory / f"step-{latest}", abstract)
+        if mismatched:  # saved at another dist.world_size: the tables' padding differs
+            tree, data, step = restore_regridded(self._manager, abstract, latest, mismatched)
+        else:
+            tree, data, step = self._manager.restore(abstract, latest)
         self.set_state(tree)
         return step, data
 
