@@ -135,6 +135,26 @@ def saved_world_size(path: Path) -> int:
     return len(list(path.glob("extra-rank*.pt")))
 
 
+def _newest(root, rank: int, sharded: bool) -> tuple[int, Path, Path, bool] | None:
+    """`(step, folder, extra file, own)` of the newest complete checkpoint (rank 0 sweeps
+    unfinished ones first), its layout checked; `own` is False when the checkpoint has no
+    extra file for `rank` (saved by fewer ranks) and rank 0's is read instead."""
+    if rank == 0:
+        sweep(root)
+    step = latest_step(root)
+    if step is None:
+        return None
+    path = step_dir(Path(root), step)
+    check_layout(path, sharded=sharded)
+    extra_path = path / f"extra-rank{rank}.pt"
+    own = extra_path.is_file()
+    if not own:
+        extra_path = path / "extra-rank0.pt"
+        if not extra_path.is_file():
+            raise HSTUError(f"checkpoint {path} has no extra-rank0.pt (data position)")
+    return step, path, extra_path, own
+
+
 def load(
     root: str | Path,
     model: torch.nn.Module,
@@ -146,19 +166,10 @@ def load(
 
     `extra` is this rank's, or rank 0's when the checkpoint has none for this rank (it was
     saved by fewer ranks; `own` is False then: its RNG state is not this rank's)."""
-    if rank == 0:
-        sweep(root)
-    step = latest_step(root)
-    if step is None:
+    found = _newest(root, rank, sharded=False)
+    if found is None:
         return None
-    path = step_dir(Path(root), step)
-    check_layout(path, sharded=False)
-    extra_path = path / f"extra-rank{rank}.pt"
-    own = extra_path.is_file()
-    if not own:
-        extra_path = path / "extra-rank0.pt"
-        if not extra_path.is_file():
-            raise HSTUError(f"checkpoint {path} has no extra-rank0.pt (data position)")
+    step, path, extra_path, own = found
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path, process_group=group)
@@ -246,19 +257,10 @@ def save_sharded(root, step, model, optimizer, tables, extra, rank, keep, group=
 
 def load_sharded(root, model, optimizer, tables, rank, group=None):
     """`load` for sharded tables (collective): DCP writes straight into the live shards."""
-    if rank == 0:
-        sweep(root)
-    step = latest_step(root)
-    if step is None:
+    found = _newest(root, rank, sharded=True)
+    if found is None:
         return None
-    path = step_dir(Path(root), step)
-    check_layout(path, sharded=True)
-    extra_path = path / f"extra-rank{rank}.pt"
-    own = extra_path.is_file()
-    if not own:
-        extra_path = path / "extra-rank0.pt"
-        if not extra_path.is_file():
-            raise HSTUError(f"checkpoint {path} has no extra-rank0.pt (data position)")
+    step, path, extra_path, own = found
     state = _sharded_state(model, optimizer, tables)
     dcp.load(state, checkpoint_id=path, process_group=group)
     with torch.no_grad():
