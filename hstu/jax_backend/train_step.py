@@ -313,7 +313,10 @@ class JaxBackend:
         return self._full[1]
 
     def prepare_evaluation(self) -> None:
-        """Nothing to bring over: the evaluator gathers sharded tables itself."""
+        """Every process: gather sharded tables whole (a program over the whole mesh, so with
+        several processes all of them run it), for the logging process's evaluator."""
+        if self.tables is not None:
+            self._full_params()
 
     def broadcast_flag(self, flag: bool) -> bool:
         if jax.process_count() == 1:  # one controller drives every rank

@@ -1,5 +1,6 @@
 """Evaluation in a multi-rank run: rank 0 evaluates, every rank meets at one collective per
-evaluation, and early stopping ends all of them after the same step (torch, 2 gloo ranks)."""
+evaluation, and early stopping ends all of them after the same step (torch, 2 gloo ranks);
+sharded tables are gathered whole for it (torch and jax, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -52,16 +53,20 @@ def test_early_stopping_ends_every_rank_after_the_same_step(prepared_data, tmp_p
     ]
 
 
-def test_sharded_tables_are_gathered_for_evaluation(prepared_data, tmp_path):
-    """row_wise tables (TorchRec DMP, each rank holds half the rows) evaluate like
-    data_parallel ones (every rank holds them whole): the same update, so the same metrics."""
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_sharded_tables_are_gathered_for_evaluation(backend, prepared_data, tmp_path):
+    """row_wise tables (each rank holds half the rows: TorchRec DMP / rows over the devices)
+    evaluate like data_parallel ones (every rank holds them whole): the same update, so the
+    same metrics."""
+    if backend == "jax":
+        pytest.importorskip("jax")
     reports = {}
     for sharding in ("row_wise", "data_parallel"):
         out = tmp_path / sharding
         argv = [
             "train",
             "--backend",
-            "torch",
+            backend,
             *prepared_overrides(prepared_data["ml-1m"], "retrieval", out),
             "dist.world_size=2",
             "data.batch_size=16",
