@@ -89,14 +89,14 @@ class PeerMonitor:
     def linger(self, limit_s: float = 5.0) -> None:
         """Process 0 hosts the store: before it ends, give the others time to read its report
         (else they die of the lost coordinator, with JAX's message instead of the real one).
-        Returns once every other heartbeat stopped (they ended), or after `limit_s`."""
+        Returns once every other heartbeat stopped (they ended), or after `limit_s`. Also
+        when every other process reported a failure of its own: it may still be on its way
+        out, and the store's end would kill it before it exits with its own message."""
         if self.pid != 0 or self.num == 1:
             return
         deadline, last, still = time.time() + limit_s, None, 0.0
         while time.time() < deadline and still < 2 * self.poll_s:
             try:
-                if {p for p, _ in self.reports()} == set(range(1, self.num)):
-                    return  # every other process failed by itself: nobody waits for us
                 now = {p: c for p, c in self.beats().items() if p != self.pid}
             except Exception:  # noqa: BLE001
                 return
