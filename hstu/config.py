@@ -186,6 +186,11 @@ class TrainConfig:
     eval_every: int = _opt(
         0, "evaluate on the validation split every N steps (data.source=prepared; 0: never)"
     )
+    cuda_graphs: bool = _opt(
+        False,
+        "torch on CUDA: replay the HSTU stack's forward and backward from CUDA graphs, one per "
+        "token capacity (no effect in jax, whose step is one compiled program already)",
+    )
 
     def validate(self) -> None:
         p = "train."

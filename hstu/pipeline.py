@@ -383,7 +383,10 @@ def run(
         its metrics arrived (in steady state, one step period)."""
         step, w = metrics["step"], backend.world_size
         metrics |= step_metrics(prepared, w)
-        metrics.setdefault("token_capacity", metrics["tokens_max_after"])
+        # a static-shape backend pads the largest rank's tokens to its capacity (JAX reports
+        # the capacity it placed; torch with CUDA graphs maps the count through its policy)
+        capacity_of = getattr(backend, "capacity_of", None) or (lambda n: n)
+        metrics.setdefault("token_capacity", capacity_of(metrics["tokens_max_after"]))
         metrics.setdefault("num_compiles", 0)
         elapsed, tokens = sum(host_s.values()), metrics["global_tokens"]
         metrics["padding_waste"] = w * metrics["token_capacity"] / tokens - 1 if tokens else 0.0

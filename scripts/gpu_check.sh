@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
-#                                               e2e sim profile (bench_upstream, one GPU)
+#                                               e2e sim profile graphs (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
 #
@@ -89,6 +89,18 @@ print('torchrec', torchrec.__version__)" ;;
       done
       run e2e_fixed $E2E --probe-every 0 --out /tmp/e2e_fixed data.batch_size=8 \
         data.seqlen_dist=fixed "data.seqlen_params={}" ;;
+    graphs)
+      # train.cuda_graphs, torch at W=1 on bench_upstream: the graphs' GPU test, then eager
+      # and graphed side by side at batch 8 / 32 / 64 (fixed cost = the line through them)
+      run graphs_gpu_test python -m pytest -q -m gpu tests/unit/test_torch_graphs.py
+      for b in 8 32 64; do
+        for g in false true; do
+          run "graphs_b${b}_$g" python -m hstu.cli bench e2e --config bench_upstream \
+            --backends torch --shufflers identity --steps 30 --probe-every 0 \
+            --out /tmp/graphs_b${b}_$g data.batch_size=$b train.cuda_graphs=$g
+          cp /tmp/graphs_b${b}_$g/e2e.json "$OUT/graphs_b${b}_$g.json"
+        done
+      done ;;
     sim)
       # simulated W=8 and W=16 on this one GPU (per-rank forward+backward timed alone)
       for w in 8 16; do

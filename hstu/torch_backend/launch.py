@@ -8,7 +8,8 @@ when the world is one rank. Each rank runs `train_step.run_rank`.
 Failure handling, in one place (docs/robustness.md has the whole table):
 
 * config, `output_dir` and world-size errors are raised here, before any rank starts (also
-  what this backend cannot run with sharded tables: `sharding.check_sharding`);
+  what this backend cannot run with sharded tables, `sharding.check_sharding`, or without
+  CUDA, `graphs.check_cuda_graphs`);
 * collectives time out after `dist.timeout_s` (the process group's timeout);
 * spawned ranks die with this process (parent-death signal SIGKILL; torch's own is SIGINT,
   which a rank started from a script ignores);
@@ -43,6 +44,7 @@ from hstu.launch_checks import (
     die_with_parent,
     preflight,
 )
+from hstu.torch_backend.graphs import check_cuda_graphs
 from hstu.torch_backend.sharding import check_sharding
 from hstu.torch_backend.train_step import run_rank
 
@@ -215,6 +217,7 @@ def train(cfg, source=None) -> list[dict]:
         cfg.dist.world_size = world_size  # the launcher decides; config.yaml records it
         device_type = resolve_device(cfg.dist.device, local_rank + 1)
         check_sharding(cfg, device_type)
+        check_cuda_graphs(cfg, device_type)
         return _init_and_run(
             cfg, rank, world_size, local_rank, device_type, "env://", source, world_size > 1
         )
@@ -222,6 +225,7 @@ def train(cfg, source=None) -> list[dict]:
     world_size = cfg.validate().dist.world_size
     device_type = resolve_device(cfg.dist.device, world_size)
     check_sharding(cfg, device_type)
+    check_cuda_graphs(cfg, device_type)
     preflight(cfg, "torch", world_size if device_type == "cpu" else None)
     port = cfg.dist.master_port or _free_port()
     if world_size == 1 and not dist.is_initialized():

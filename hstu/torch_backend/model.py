@@ -126,6 +126,7 @@ class HSTUModel(nn.Module):
         # Set when the tables are sharded (sharding.py): the features the sharded collection
         # looks up, so its all-to-alls carry ids only (not timestamps or labels).
         self.embedding_keys: list[str] | None = None
+        self.graphed = None  # train.cuda_graphs: a graphs.GraphedStack over this model
         for name, child in self.named_children():
             if not (meta_tables and name == "embedding"):
                 child.to(device)
@@ -218,12 +219,19 @@ class HSTUModel(nn.Module):
         }
         return x, seq
 
-    def encode(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
-        """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout."""
-        x, seq = self.sequence(tb)
+    def stack(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
+        """The HSTU layers and the final norm: `z [T, D]` in fp32."""
         for layer in self.layers:
             x = layer(x, seq)
-        return self.final_norm(x).float(), seq
+        return self.final_norm(x).float()
+
+    def encode(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
+        """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout.
+        Training with `graphed` set (graphs.py), the stack is replayed from a CUDA graph."""
+        x, seq = self.sequence(tb)
+        if self.graphed is not None and self.training and torch.is_grad_enabled():
+            return self.graphed(x, seq), seq
+        return self.stack(x, seq), seq
 
     def forward(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, dict]:
         """(local loss sum / global target count, {metric: local sum}) for one batch."""

@@ -23,13 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hstu import trainer
+from hstu import capacity, trainer
+from hstu.capacity import CapacityPolicy
 from hstu.data import source_from_config
 from hstu.params import init_params
 from hstu.pipeline import STAT_LOSS_TOKENS
 from hstu.torch_backend import collectives
 from hstu.torch_backend.checkpoint import TrainCheckpointer
 from hstu.torch_backend.grad_sync import GradBuckets
+from hstu.torch_backend.graphs import GraphedStack, check_cuda_graphs
 from hstu.torch_backend.model import HSTUModel
 from hstu.torch_backend.sharding import shard_tables
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
@@ -67,6 +69,16 @@ class TorchBackend(TorchShuffler):
             }
         self.buckets = GradBuckets(self.params, world_size, group)
         self._eval_model: HSTUModel | None = None  # fused tables: rank 0's evaluation copy
+
+    def use_cuda_graphs(self, policy: CapacityPolicy) -> None:
+        """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities."""
+        check_cuda_graphs(self.cfg, self.device.type)
+        self.model.graphed = GraphedStack(self.model, policy, self.cfg.data.max_seqlen)
+
+    def capacity_of(self, num_tokens: int) -> int:
+        """The tokens a rank holding `num_tokens` computes (its graph's capacity)."""
+        graphed = self.model.graphed
+        return graphed.policy.capacity(max(num_tokens, 1)) if graphed is not None else num_tokens
 
     def _mark(self, marks: list | None) -> None:
         """Record a device event at a phase boundary (CUDA only; `probe` reads them)."""
@@ -140,6 +152,8 @@ class TorchBackend(TorchShuffler):
         denom = max(int(pending["global_loss_tokens"]), 1)
         per_target = set(pending["names"]) - {"loss", "grad_norm"}
         out = {k: (v / denom if k in per_target else v) for k, v in values.items()}
+        if self.model.graphed is not None:  # graphs captured so far (JAX: programs compiled)
+            out["num_compiles"] = self.model.graphed.num_graphs
         return out
 
     def probe(self, prepared, repeats: int = 3, phases: bool = True) -> dict:
@@ -231,4 +245,6 @@ def run_rank(
     )
     check_shuffler(cfg.balance.shuffler)
     source = source if source is not None else source_from_config(cfg)
+    if cfg.train.cuda_graphs:
+        backend.use_cuda_graphs(capacity.for_source(cfg, source))
     return trainer.train(cfg, backend, checkpointer, source, "torch")

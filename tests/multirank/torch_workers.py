@@ -3,12 +3,20 @@ gloo on CPU, or NCCL with one GPU per rank (`device="cuda"`).
 
 The function must be importable by name (module level) so that spawned processes find it; it
 is called as `fn(rank, world_size, device, *args)`.
+
+A rank writes its result, destroys its process group, then leaves with `os._exit`: once in
+a CI run (2 cores, loaded) a rank that had finished its work aborted at interpreter exit
+("terminate called without an active exception", SIGABRT), the signature of gloo's C++
+threads being torn down during Python's finalization (pytorch/pytorch#179291). What these
+tests examine ends with the result; the exit code still reports any failure before it.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,9 +47,12 @@ def _entry(
     )
     try:
         result = fn(rank, world_size, f"cuda:{rank}" if device == "cuda" else "cpu", *args)
+        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
-    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn, world_size: int, *args, device: str = "cpu") -> list:

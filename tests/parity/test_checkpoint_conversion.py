@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torchrec")
 pytest.importorskip("jax")
 
-from parity_workers import DEMO_STEPS, demo_overrides, jax_test_env  # noqa: E402
+from parity_workers import demo_overrides, jax_test_env  # noqa: E402
 
 from hstu.cli import main  # noqa: E402
 from hstu.config import load_config  # noqa: E402
@@ -21,6 +21,7 @@ from hstu.parity import FP32_ENV, rel_diff, run_backend  # noqa: E402
 from hstu.testing import DEMO_CONFIG  # noqa: E402
 
 FIRST = 10
+AFTER = 8  # steps the converted checkpoint trains on (its curve is the source's from FIRST)
 RTOL = 1e-4
 
 
@@ -49,10 +50,11 @@ def test_converted_checkpoint_continues_the_source_curve(demo_runs, tmp_path, sr
 
     assert main(["convert", "--from", src, "--to", dst, str(first), str(resumed)]) == 0
     assert (resumed / "checkpoints" / f"step-{FIRST}").is_dir()
-    rows = run_backend(dst, DEMO_CONFIG, demo_overrides() + ["train.resume=true"], resumed, env)
+    resume = demo_overrides(steps=FIRST + AFTER) + ["train.resume=true"]
+    rows = run_backend(dst, DEMO_CONFIG, resume, resumed, env)
 
-    assert [r["step"] for r in rows] == list(range(FIRST, DEMO_STEPS))
-    uninterrupted = demo_runs.rows(src)[FIRST:]
+    assert [r["step"] for r in rows] == list(range(FIRST, FIRST + AFTER))
+    uninterrupted = demo_runs.rows(src)[FIRST : FIRST + AFTER]
     for got, want in zip(rows, uninterrupted, strict=True):
         assert rel_diff(got["loss"], want["loss"]) <= RTOL, (got["step"], got["loss"], want)
         assert got["global_tokens"] == want["global_tokens"]  # the same data position
