@@ -93,7 +93,7 @@ print('torchrec', torchrec.__version__)" ;;
       # train.cuda_graphs, torch at W=1 on bench_upstream: the graphs' GPU test, then eager
       # and graphed side by side at batch 8 / 32 / 64 (fixed cost = the line through them)
       run graphs_gpu_test python -m pytest -q -m gpu tests/unit/test_torch_graphs.py
-      for b in 8 32 64; do
+      for b in 32 8 64; do
         for g in false true; do
           run "graphs_b${b}_$g" python -m hstu.cli bench e2e --config bench_upstream \
             --backends torch --shufflers identity --steps 30 --probe-every 0 \
