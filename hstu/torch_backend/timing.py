@@ -115,6 +115,11 @@ class LocalTimer:
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.model.train()
+        if cfg.train.cuda_graphs and self.device.type == "cuda":  # time what the run replays
+            from hstu.capacity import from_config
+            from hstu.torch_backend.graphs import GraphedStack
+
+            self.model.graphed = GraphedStack(self.model, from_config(cfg), cfg.data.max_seqlen)
         self.optimizer = make_optimizer(self.model.parameters(), cfg.train)
         self.device_name = (
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"

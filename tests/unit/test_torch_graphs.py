@@ -117,7 +117,8 @@ def test_graphs_train_as_the_eager_model_across_capacities():
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
+            del loss  # the step's autograd graph ends here, as in training
         runs[graphs] = (losses, model.export_params(), model.graphed)
     (want, want_p, _), (got, got_p, graphed) = runs[False], runs[True]
     assert graphed.num_graphs == 2 and graphed.eager_steps == 0
