@@ -20,7 +20,7 @@ JAX_PKGS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoin
 OTHER_PKGS := triton==3.9.0 numpy pyyaml tqdm tensorboard matplotlib pytest hypothesis ruff \
 	pytest-timeout
 
-.PHONY: setup demo test test-fast lint format bench parity clean
+.PHONY: setup demo test test-fast test-slow lint format bench parity clean
 
 setup: $(STAMP)
 
@@ -40,7 +40,11 @@ demo: setup
 	$(VENV)/bin/hstu train --backend torch --config demo
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+# The few end-to-end tests of more than ~20 s each (marked `slow`); CI runs them after `test`.
+test-slow: setup
+	$(VENV)/bin/python -m pytest -q -m slow
 
 # The core's tests alone, with torch and jax blocked (they must not be needed): seconds.
 test-fast: setup

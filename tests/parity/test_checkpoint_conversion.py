@@ -41,6 +41,7 @@ def _assert_same_state(a, b) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize(("src", "dst"), [("torch", "jax"), ("jax", "torch")])
 def test_converted_checkpoint_continues_the_source_curve(demo_runs, tmp_path, src, dst):
     env = {**FP32_ENV, **jax_test_env()}

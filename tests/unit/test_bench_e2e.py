@@ -46,6 +46,7 @@ RUN_FIELDS = {
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
     argv = [
         *("bench", "e2e", "--config", "demo", "--exchanges", "allgather"),
