@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchrec")
 
+from test_torch_model import _cfg  # noqa: E402  (the same small model with every bias)
+
 from hstu.capacity import CapacityPolicy  # noqa: E402
 from hstu.config import load_config  # noqa: E402
 from hstu.errors import HSTUError  # noqa: E402
@@ -17,21 +19,6 @@ from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import to_torch  # noqa: E402
 from hstu.torch_backend.graphs import GraphedStack  # noqa: E402
 from hstu.torch_backend.model import HSTUModel  # noqa: E402
-
-
-def _cfg(task: str, *extra: str):
-    return load_config(
-        DEMO_CONFIG,
-        [
-            f"model.task={task}",
-            "model.rab_position_buckets=6",
-            "model.rab_time_buckets=5",
-            "model.num_negatives=4",
-            "data.max_history=6",
-            "data.max_candidates=3",
-            *extra,
-        ],
-    )
 
 
 def _loss_and_grads(model, tb, glt: int = 10):
