@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
+#                                               tune (kernel block sizes per head dim)
 #                                               e2e sim profile graphs (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -49,6 +50,31 @@ print('torchrec', torchrec.__version__)" ;;
       run triton_bench python -m hstu_kernels.triton.bench
       run triton_bias_bench python -m hstu_kernels.triton.bench_bias
       run pallas_bench python -m hstu_kernels.pallas.bench ;;
+    tune)
+      # block-size sweeps per head dim: Triton in one process (checked against the default
+      # tiles, then timed), Pallas one process per tile at head dim 256 (bench_upstream's)
+      run triton_tune python -m hstu_kernels.triton.tune --dims ${TUNE_DIMS:-256,128,64}
+      for blk in "64 32 4 3" "64 32 8 2" "64 64 8 2" "32 32 4 2" "64 64 4 2" "128 64 8 2" \
+                 "32 64 4 2" "64 32 8 3"; do
+        read -r bq bk nw ns <<< "$blk"
+        run "pallas_d256_${bq}_${bk}_${nw}_$ns" python -m hstu_kernels.pallas.bench \
+          --seqlens 4096 --tokens 32768 --dim 256 --no-reference --block-q "$bq" \
+          --block-k "$bk" --num-warps "$nw" --num-stages "$ns"
+      done ;;
+    ab)
+      # A/B of two kernel trees in one call: $AB_BEFORE (a copy of kernels/ from an earlier
+      # commit: git archive HEAD~N kernels | tar -x -C DIR) against kernels/, alternating,
+      # torch and jax at W=1 on bench_upstream batch ${AB_BATCH:-32}, identity
+      for round in 1 2; do
+        for side in before after; do
+          dir=$PWD/kernels; [ $side = before ] && dir=$AB_BEFORE/kernels
+          ln -sfn "$dir" /tmp/hstu-path/hstu_kernels
+          run "ab_${side}_$round" python -m hstu.cli bench e2e --config bench_upstream \
+            --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
+            --out /tmp/ab_${side}_$round data.batch_size=${AB_BATCH:-32}
+        done
+      done
+      ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches)
       for backend in torch jax; do

@@ -51,20 +51,35 @@ class BlockSizes:
 INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
 
 
-@functools.cache
-def default_block_sizes(
-    dim: int, backward: bool, dtype: torch.dtype = torch.bfloat16
-) -> BlockSizes:
-    """Defaults: tiny tiles in interpret mode, H100-tuned tiles on CUDA.
+KERNELS = ("fwd", "dkdv", "dq")
 
-    fp32 uses exact (non-tf32) dots, lowered to FMAs: small tiles keep compile times sane.
-    """
+# bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
+# kernel, from `python -m hstu_kernels.triton.tune` on an H200 (table in kernels/README.md).
+# Wider heads hold larger accumulators per row: the backward kernels' fp32 dk/dv (two [N, D]
+# tiles) and dq spill at D=256 with 64-row tiles on 4 warps.
+_TUNED = {
+    64: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 64, 4, 2),
+         "dq": BlockSizes(64, 64, 4, 2)},  # not swept yet: the D=128 tiles of the last round
+    128: {"fwd": BlockSizes(64, 32, 4, 3), "dkdv": BlockSizes(32, 64, 4, 2),
+          "dq": BlockSizes(64, 64, 4, 2)},
+    256: {"fwd": BlockSizes(128, 64, 8, 2), "dkdv": BlockSizes(64, 32, 4, 2),
+          "dq": BlockSizes(64, 64, 4, 2)},
+}  # fmt: skip
+
+
+@functools.cache
+def default_block_sizes(dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16) -> BlockSizes:
+    """Tiles of kernel ``fwd`` / ``dkdv`` / ``dq`` for head dim ``dim``: tiny tiles in interpret
+    mode, small FMA tiles for fp32, the tuned table for 16-bit inputs on CUDA."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if is_interpret_mode():
         return INTERPRET_BLOCK_SIZES
-    if dtype == torch.float32:
-        return BlockSizes(32, 32, 4, 1) if backward else BlockSizes(64, 32, 4, 1)
-    # H100, bf16, D=128, causal 4096: forward 64x64 ~280 TFLOP/s, backward 64x64 ~230 (2.5x)
-    return BlockSizes(64, 64, 4, 2) if backward else BlockSizes(64, 64, 4, 3)
+    if dtype == torch.float32:  # exact (non-tf32) dots are lowered to FMAs
+        return BlockSizes(64, 32, 4, 1) if kernel == "fwd" else BlockSizes(32, 32, 4, 1)
+    if dim > 256:
+        return BlockSizes(32, 32, 8, 1)  # untuned: small tiles keep the accumulators in registers
+    return _TUNED[max(64, triton.next_power_of_2(dim))][kernel]
 
 
 def _block_d(d: int) -> int:
@@ -147,6 +162,8 @@ def _bwd_impl(
     grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
     need_rp, need_rt, bs,
 ):  # fmt: skip
+    """``bs``: the (dk/dv, dq) kernels' BlockSizes."""
+    dkdv_bs, dq_bs = bs
     q, k, v = (x.contiguous() for x in (q, k, v))  # dq/dk/dv reuse these strides
     grad_out = _last_dim_contiguous(grad_out.to(q.dtype))
     T, H, _ = q.shape
@@ -156,13 +173,12 @@ def _bwd_impl(
     drp = torch.zeros(rp_.shape, **f32) if pos_grad else torch.empty(0, **f32)
     drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
     B = seq_offsets.shape[0] - 1
-    num_m = triton.cdiv(max_seqlen, bs.block_m)
-    num_n = triton.cdiv(max_seqlen, bs.block_n)
+    num_m = triton.cdiv(max_seqlen, dq_bs.block_m)
+    num_n = triton.cdiv(max_seqlen, dkdv_bs.block_n)
     if B > 0 and H > 0 and num_m > 0:
         so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
         P = rp_.shape[1] if rp_ is not None else 1
         TB = rt_.shape[1] if rt_ is not None else 1
-        meta = _common_meta(q, v, nc_, nk_, rp_, rt_, bs)
         strides = (
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1),
@@ -172,14 +188,16 @@ def _bwd_impl(
         with _device_ctx(q):
             _hstu_bwd_dkdv_kernel[(num_n * B * H,)](
                 q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
-                *strides, B * H, H, num_n, *scalars, **meta,
+                *strides, B * H, H, num_n, *scalars,
+                **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
             )  # fmt: skip
             _hstu_bwd_dq_kernel[(num_m * B * H,)](
                 q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
                 drp if pos_grad else so, drt if time_grad else so,
                 *strides, B * H, H, num_m, *scalars,
                 BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
-                POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad, **meta,
+                POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
+                **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
             )  # fmt: skip
     if pos_grad:
         drp = drp.to(rp_.dtype)

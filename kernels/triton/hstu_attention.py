@@ -27,12 +27,14 @@ Design
 * Programs are ordered heaviest-first (last query block first) over a flat 1D grid.
 """
 
+import dataclasses
 import math
 
 import torch
 
 from ._launch import (
     INTERPRET_BLOCK_SIZES,  # noqa: F401 (re-export)
+    KERNELS,
     BlockSizes,
     _bwd_impl,
     _fwd_impl,
@@ -48,8 +50,9 @@ __all__ = ["BlockSizes", "hstu_attention", "is_interpret_mode"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _unpack_blocks(blocks: list[int]) -> tuple[BlockSizes, BlockSizes]:
-    return BlockSizes(*blocks[:4]), BlockSizes(*blocks[4:])
+def _unpack_blocks(blocks: list[int]) -> tuple[BlockSizes, tuple[BlockSizes, BlockSizes]]:
+    """``blocks``: forward, dk/dv and dq kernel tiles, 4 ints each."""
+    return BlockSizes(*blocks[:4]), (BlockSizes(*blocks[4:8]), BlockSizes(*blocks[8:12]))
 
 
 @torch.library.custom_op("hstu::hstu_attention_fwd", mutates_args=())
@@ -68,7 +71,7 @@ def hstu_attention_fwd(
     rab_time: torch.Tensor | None,
     blocks: list[int],
 ) -> torch.Tensor:
-    """Forward op. ``blocks`` = forward BlockSizes fields followed by backward ones."""
+    """Forward op. ``blocks`` = the BlockSizes fields of the forward, dk/dv and dq kernels."""
     fwd_bs, _ = _unpack_blocks(blocks)
     return _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
                      num_candidates, timestamps, rab_pos, rab_time, fwd_bs)  # fmt: skip
@@ -240,6 +243,23 @@ def _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, r
         _check_tensor("timestamps", ts, 1, device, _INT_DTYPES, (T,))
 
 
+def _resolve_blocks(block_sizes, q, v) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
+    dim = max(q.shape[2], v.shape[2])
+    if block_sizes is None:
+        return tuple(default_block_sizes(dim, kernel, q.dtype) for kernel in KERNELS)
+    if isinstance(block_sizes, BlockSizes):
+        return block_sizes, block_sizes, block_sizes
+    if isinstance(block_sizes, tuple) and all(isinstance(b, BlockSizes) for b in block_sizes):
+        if len(block_sizes) == 2:
+            return block_sizes[0], block_sizes[1], block_sizes[1]
+        if len(block_sizes) == 3:
+            return block_sizes
+    raise ValueError(
+        "block_sizes must be a BlockSizes, a (forward, backward) pair or a (forward, dk/dv, dq) "
+        f"triple of them, got {block_sizes!r}"
+    )
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -254,31 +274,19 @@ def hstu_attention(
     timestamps: torch.Tensor | None = None,
     rab_pos: torch.Tensor | None = None,
     rab_time: torch.Tensor | None = None,
-    block_sizes: BlockSizes | tuple[BlockSizes, BlockSizes] | None = None,
+    block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention (see ``kernels/README.md``); returns ``[T, H, Dv]`` in q's dtype.
 
     ``max_seqlen`` must bound every sample's length (it sizes the grid; it is not checked
     against ``seq_offsets`` to avoid a device sync).  ``block_sizes`` is one ``BlockSizes``
-    for both passes or a ``(forward, backward)`` pair; ``None`` picks defaults.
+    for every kernel, a ``(forward, backward)`` pair or a ``(forward, dk/dv, dq)`` triple;
+    ``None`` picks the defaults tuned per head dim (``default_block_sizes``).
     """
     _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
               num_candidates, timestamps, rab_pos, rab_time)  # fmt: skip
-    if block_sizes is None:
-        fwd_bs = default_block_sizes(q.shape[2], backward=False, dtype=q.dtype)
-        bwd_bs = default_block_sizes(q.shape[2], backward=True, dtype=q.dtype)
-    elif isinstance(block_sizes, BlockSizes):
-        fwd_bs = bwd_bs = block_sizes
-    elif (
-        isinstance(block_sizes, tuple)
-        and len(block_sizes) == 2
-        and all(isinstance(b, BlockSizes) for b in block_sizes)
-    ):
-        fwd_bs, bwd_bs = block_sizes
-    else:
-        raise ValueError(f"block_sizes must be a BlockSizes or a pair of them, got {block_sizes!r}")
-    blocks = [fwd_bs.block_m, fwd_bs.block_n, fwd_bs.num_warps, fwd_bs.num_stages,
-              bwd_bs.block_m, bwd_bs.block_n, bwd_bs.num_warps, bwd_bs.num_stages]  # fmt: skip
+    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v)
+    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
     args = (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), num_contextual,
             num_candidates, timestamps if rab_time is not None else None, rab_pos, rab_time,
             blocks)  # fmt: skip

@@ -96,7 +96,12 @@ SHAPES = {
         TB=8,
         blocks={
             "default": BlockSizes(16, 16, 1, 1),
-            "uneven": (BlockSizes(32, 16, 1, 1), BlockSizes(16, 32, 1, 1)),
+            # forward, dk/dv and dq kernels each with tiles of their own
+            "uneven": (
+                BlockSizes(32, 16, 1, 1),
+                BlockSizes(16, 32, 1, 1),
+                BlockSizes(32, 16, 1, 1),
+            ),
         },
     ),
     "cuda": dict(
@@ -112,7 +117,11 @@ SHAPES = {
         TB=16,
         blocks={
             "default": None,
-            "uneven": (BlockSizes(32, 64, 4, 1), BlockSizes(64, 32, 4, 1)),  # fp32: FMA dots
+            "uneven": (  # fp32: FMA dots
+                BlockSizes(32, 64, 4, 1),
+                BlockSizes(64, 32, 4, 1),
+                BlockSizes(32, 32, 4, 1),
+            ),
         },
     ),
 }
@@ -292,6 +301,24 @@ def test_hstu_attention_validation(mode):
     if dev.type == "cuda":
         with pytest.raises(ValueError, match="k"):
             hstu_attention(q, q.cpu(), q, offs, **kw)
+    with pytest.raises(ValueError, match="block_sizes"):
+        hstu_attention(q, q, q, offs, **kw, block_sizes=(BlockSizes(),) * 4)
+
+
+def test_default_tiles_per_head_dim_and_kernel():
+    """Every head dim up to 256 maps to a tuned row; each kernel has its own tiles there."""
+    tuned = _launch._TUNED
+    if _INTERPRET:
+        assert _launch.default_block_sizes(256, "dkdv") == _launch.INTERPRET_BLOCK_SIZES
+    else:
+        for dim, row in ((8, 64), (64, 64), (96, 128), (128, 128), (200, 256), (256, 256)):
+            for kernel in _launch.KERNELS:
+                assert _launch.default_block_sizes(dim, kernel) == tuned[row][kernel]
+        assert _launch.default_block_sizes(512, "fwd").block_m <= 32
+    assert set(tuned[256]) == set(_launch.KERNELS)
+    assert tuned[256]["dkdv"] != tuned[256]["dq"]  # D=256: the dk/dv kernel's own tile
+    with pytest.raises(ValueError, match="kernel"):
+        _launch.default_block_sizes(128, "bwd")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,0 +1,190 @@
+"""Block-size sweep of the Triton HSTU attention kernels, per head dim (CUDA).
+
+    python -m hstu_kernels.triton.tune [--dims 64,128,256] [--seqlen 4096 --batch 8]
+
+For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
+shaped like ``configs/bench_upstream.yaml`` (32 samples, Zipf(1.2) histories of 16..2000
+events, 2 tokens per event, 4 contextual and 8..64 candidate tokens). Each forward candidate
+is timed forward only, each backward candidate backward only (the autograd graph of one
+forward replayed with ``retain_graph``), both as CUDA-event medians; every candidate's
+output and gradients are first compared with the built-in default's (a tile that computes
+something else is reported, never timed). The defaults in ``_launch.default_block_sizes``
+come from this table.
+"""
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+import triton
+
+from ._launch import BlockSizes, default_block_sizes
+from .hstu_attention import hstu_attention
+from .reference import hstu_mask_reference
+
+FWD_CANDIDATES = [
+    BlockSizes(64, 64, 4, 3), BlockSizes(64, 64, 4, 2), BlockSizes(64, 32, 4, 3),
+    BlockSizes(64, 32, 4, 2), BlockSizes(32, 64, 4, 2), BlockSizes(64, 64, 8, 2),
+    BlockSizes(64, 64, 8, 3), BlockSizes(128, 64, 8, 2), BlockSizes(128, 32, 8, 2),
+    BlockSizes(128, 32, 8, 3), BlockSizes(128, 64, 4, 2),
+]  # fmt: skip
+# the dk/dv kernel accumulates BLOCK_N key rows, the dq kernel BLOCK_M query rows
+BWD_CANDIDATES = [
+    BlockSizes(64, 64, 4, 2), BlockSizes(64, 64, 8, 2), BlockSizes(64, 32, 4, 2),
+    BlockSizes(64, 32, 4, 3), BlockSizes(64, 32, 4, 1), BlockSizes(64, 32, 8, 2),
+    BlockSizes(32, 64, 4, 2), BlockSizes(32, 64, 8, 2), BlockSizes(32, 32, 4, 2),
+    BlockSizes(32, 32, 8, 2), BlockSizes(128, 32, 8, 2), BlockSizes(64, 16, 4, 2),
+    BlockSizes(16, 64, 4, 2), BlockSizes(32, 16, 4, 2),
+]  # fmt: skip
+PASSES = {"fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES}
+
+
+def _median_ms(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _zipf_lengths(rng, batch: int):
+    """bench_upstream's samples: 4 contextual + 2 x history (bounded Zipf(1.2) on [16, 2000],
+    as hstu/data/distributions.py draws it) + 8..64 candidates."""
+    support = np.arange(1, 2000 - 16 + 2, dtype=np.float64)
+    cdf = np.cumsum(support**-1.2)
+    hist = 16 + np.searchsorted(cdf / cdf[-1], rng.random(batch), side="right").clip(0, 1984)
+    cand = rng.integers(8, 65, size=batch)
+    return 4 + 2 * hist + cand, cand
+
+
+def _case(name, lengths, num_candidates, num_contextual, heads, dim, max_seqlen):
+    dev = torch.device("cuda")
+    T = int(sum(lengths))
+    q, k, v, g = (torch.randn(T, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), device=dev)
+    kw = dict(max_seqlen=max_seqlen, alpha=1.0 / dim**0.5, normalizer=float(max_seqlen))
+    pairs = 0
+    for i, n in enumerate(lengths):
+        nk = int(num_candidates[i]) if num_candidates is not None else 0
+        pairs += int(hstu_mask_reference(int(n), num_contextual, nk).sum())
+    if num_contextual:
+        kw["num_contextual"] = torch.full((len(lengths),), num_contextual, device=dev)
+    if num_candidates is not None:
+        kw["num_candidates"] = torch.tensor(num_candidates, device=dev)
+    return dict(name=name, qkv=(q, k, v), grad=g, offsets=offsets, kw=kw, pairs=pairs)
+
+
+def _rel_err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+
+
+def _sweep_case(case, dim, heads, warmup, repeats, tol):
+    """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others' tiles
+    at their defaults; forward timed alone, backward tiles by the backward alone."""
+    q, k, v = (x.detach().requires_grad_() for x in case["qkv"])
+    offsets, kw, grad = case["offsets"], case["kw"], case["grad"]
+    fwd_flops = 4.0 * case["pairs"] * heads * dim
+    defaults = {kern: default_block_sizes(dim, kern) for kern in PASSES}
+
+    def blocks(kern, bs):
+        return tuple(bs if name == kern else defaults[name] for name in PASSES)
+
+    def attention(tiles):
+        return hstu_attention(q, k, v, offsets, **kw, block_sizes=tiles)
+
+    ref_out = attention(blocks("fwd", defaults["fwd"]))
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad)
+    rows = []
+    for kern, candidates in PASSES.items():
+        for bs in candidates:
+            tiles = blocks(kern, bs)
+            try:
+                out = attention(tiles)
+                if kern == "fwd":
+                    err = _rel_err(out, ref_out)
+                else:
+                    grads = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+                    err = max(_rel_err(a, b) for a, b in zip(grads, ref_grads, strict=True))
+                if err > tol:
+                    rows.append((kern, bs, float("nan"), f"differs: {err:.1e}"))
+                    continue
+                if kern == "fwd":
+
+                    def fn(tiles=tiles):
+                        with torch.no_grad():
+                            attention(tiles)
+
+                else:
+
+                    def fn(out=out):
+                        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+                ms = _median_ms(fn, warmup, repeats)
+                flops = fwd_flops * (1.0 if kern == "fwd" else 2.5)
+                rows.append((kern, bs, ms, f"{flops / ms / 1e9:.0f} TF/s"))
+            except Exception as exc:  # e.g. triton's OutOfResources: report, go on
+                rows.append((kern, bs, float("nan"), type(exc).__name__))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tol", type=float, default=2e-2, help="bf16 rel. error vs the default")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune needs a CUDA device")
+    rng = np.random.default_rng(0)
+    lengths, cand = _zipf_lengths(rng, 32)
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, bf16, heads={args.heads}, triton {triton.__version__}")
+    print(f"# jagged: 32 samples, {int(lengths.sum())} tokens, longest {int(lengths.max())}")
+    for dim in (int(d) for d in args.dims.split(",")):
+        cases = [
+            _case(f"{args.batch}x{args.seqlen}", [args.seqlen] * args.batch, None, 0,
+                  args.heads, dim, args.seqlen),
+            _case("jagged", lengths, cand, 4, args.heads, dim, 4100),
+        ]  # fmt: skip
+        results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
+                   for c in cases}  # fmt: skip
+        names = list(results)
+        defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
+        print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq rows: backward time)")
+        print(f"{'kernel':>6} {'m,n,warps,stages':>17} " + " ".join(f"{n:>26}" for n in names))
+        for i, (pas, bs, _, _) in enumerate(results[names[0]]):
+            cells = []
+            for n in names:
+                _, _, ms, note = results[n][i]
+                cells.append(f"{ms:8.3f} ms {note:>14}" if ms == ms else f"{note[:26]:>26}")
+            tag = f"{bs.block_m},{bs.block_n},{bs.num_warps},{bs.num_stages}"
+            print(f"{pas:>6} {tag:>17} " + " ".join(cells))
+        for pas in PASSES:  # the lowest sum over cases of time / the case's fastest time
+            score = {}
+            for n in names:
+                times = {bs: ms for p, bs, ms, _ in results[n] if p == pas and ms == ms}
+                for bs, ms in times.items():
+                    score[bs] = score.get(bs, 0.0) + ms / min(times.values())
+            full = [bs for bs in score if all(
+                any(p == pas and b == bs and ms == ms for p, b, ms, _ in results[n]) for n in names
+            )]  # fmt: skip
+            best = min(full, key=score.get, default=None)
+            print(f"best {pas}: {best}")
+        del cases
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
