@@ -43,7 +43,10 @@ class TorchBackend(TorchShuffler):
     """The core trainer's Backend for one data-parallel rank."""
 
     def __init__(self, cfg, rank: int, world_size: int, device: torch.device | str, group=None):
-        super().__init__(rank, world_size, device, cfg.data.batch_size, cfg.balance.exchange, group)
+        super().__init__(
+            rank, world_size, device, cfg.data.batch_size, cfg.balance.exchange, group,
+            timeout_s=cfg.dist.timeout_s,
+        )  # fmt: skip
         self.cfg = cfg
         self.is_main = rank == 0
         self.device_name = (
