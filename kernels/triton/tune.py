@@ -13,13 +13,13 @@ come from this table.
 """
 
 import argparse
-import statistics
 
 import numpy as np
 import torch
 import triton
 
 from ._launch import BlockSizes, default_block_sizes
+from .bench import _time_ms
 from .hstu_attention import hstu_attention
 from .reference import hstu_mask_reference
 
@@ -38,21 +38,6 @@ BWD_CANDIDATES = [
     BlockSizes(16, 64, 4, 2), BlockSizes(32, 16, 4, 2),
 ]  # fmt: skip
 PASSES = {"fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES}
-
-
-def _median_ms(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _zipf_lengths(rng, batch: int):
@@ -127,7 +112,7 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol):
                     def fn(out=out):
                         torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
 
-                ms = _median_ms(fn, warmup, repeats)
+                ms = _time_ms(fn, warmup, repeats)
                 flops = fwd_flops * (1.0 if kern == "fwd" else 2.5)
                 rows.append((kern, bs, ms, f"{flops / ms / 1e9:.0f} TF/s"))
             except Exception as exc:  # e.g. triton's OutOfResources: report, go on
