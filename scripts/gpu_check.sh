@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
-#                                               e2e sim profile graphs (bench_upstream, one GPU)
+#                                               e2e sim simcheck profile graphs ab
+#                                               (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
 #
@@ -51,15 +52,10 @@ print('torchrec', torchrec.__version__)" ;;
       run triton_bias_bench python -m hstu_kernels.triton.bench_bias
       run pallas_bench python -m hstu_kernels.pallas.bench ;;
     tune)
-      # block-size sweeps per head dim: Triton in one process (checked against the default
-      # tiles, then timed), Pallas one process per tile at head dim 256 (bench_upstream's)
-      run triton_tune python -m hstu_kernels.triton.tune --dims ${TUNE_DIMS:-256,128,64}
-      for blk in "64 32 4 3" "64 32 8 2" "64 64 8 2" "32 32 4 2" "64 64 4 2" "128 64 8 2" \
-                 "32 64 4 2" "64 32 8 3"; do
-        read -r bq bk nw ns <<< "$blk"
-        run "pallas_d256_${bq}_${bk}_${nw}_$ns" python -m hstu_kernels.pallas.bench \
-          --seqlens 4096 --tokens 32768 --dim 256 --no-reference --block-q "$bq" \
-          --block-k "$bk" --num-warps "$nw" --num-stages "$ns"
+      # block-size sweeps per head dim and kernel, each tile checked against the default's
+      # output and gradients, then timed (TUNE_KERNELS, default: triton pallas)
+      for k in ${TUNE_KERNELS:-triton pallas}; do
+        run "${k}_tune" python -m hstu_kernels.$k.tune --dims ${TUNE_DIMS:-256,128}
       done ;;
     ab)
       # A/B of two kernel trees in one call: $AB_BEFORE (a copy of kernels/ from an earlier
@@ -127,6 +123,13 @@ print('torchrec', torchrec.__version__)" ;;
           cp /tmp/graphs_b${b}_$g/e2e.json "$OUT/graphs_b${b}_$g.json"
         done
       done ;;
+    simcheck)
+      # the simulation against a real run on this one GPU (W=1, identity, the same batches):
+      # the per-rank timer must price a step as the run does
+      run simcheck_w1 python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
+        --backends $E2E_BACKENDS --shufflers identity --probe-every 0 --simulate-ranks 1 \
+        --sim-batches 6 --out /tmp/simcheck_w1
+      cp /tmp/simcheck_w1/e2e.json "$OUT/simcheck_w1.json" ;;
     sim)
       # simulated W=8 and W=16 on this one GPU (per-rank forward+backward timed alone)
       for w in 8 16; do
@@ -140,15 +143,16 @@ print('torchrec', torchrec.__version__)" ;;
           --config bench_upstream --steps 14 --profile-at 10
       done ;;
     e2e2)
-      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all, with the W=2 simulation on
-      # the same batches; then fixed-length data, where there is nothing to balance
+      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all ($E2E2_EXCHANGES), with the
+      # W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
+      # where there is nothing to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
-      x=allgather,all2all; [ "$E2E_BACKENDS" = jax ] && x=allgather
+      x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
       run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
         --backends $E2E_BACKENDS --exchanges $x --probe-every 15 --breakdown \
         --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 dist.world_size=2
       cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json"; cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
-      run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
+      [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
         --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \
         --out /tmp/e2e_w2_fixed dist.world_size=2 \
         data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" ;;

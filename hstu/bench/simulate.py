@@ -3,7 +3,8 @@
 The global batches of a W-rank run are drawn exactly as that run draws them (the same loader,
 positions and seed), split by identity and by the balancer (the core plan, as every rank would
 compute it), and each rank's local batch runs forward + backward alone on the one device, timed
-on the device (`hstu.<backend>_backend.timing.LocalTimer`). A W-rank step waits for its slowest
+on the device (`hstu.<backend>_backend.timing.LocalTimer`), padded to the token capacities a
+W-rank run of that split would fit (`hstu.capacity`). A W-rank step waits for its slowest
 rank, so the projected step is
 
     max over ranks (forward + backward) + update (+ what the real run adds: gradient reduction
@@ -25,7 +26,8 @@ import sys
 
 import numpy as np
 
-from hstu.config import load_config
+from hstu.capacity import CapacityPolicy, for_source
+from hstu.config import config_from_dict, load_config
 from hstu.data import DataLoader, source_from_config
 from hstu.pipeline import STAT_REAL, STAT_WORKLOAD, imbalance_of, sample_stats
 from hstu.shuffle_plan import exchange_reference, identity_plan, make_plan
@@ -37,7 +39,10 @@ def simulate(cfg, backend: str, world: int, num_batches: int, warmup: int = 1) -
     timing = importlib.import_module(f"hstu.{backend}_backend.timing")
     timer = timing.LocalTimer(cfg, repeats=cfg.bench.probe_repeats)
     cost = HSTUCost.from_model_config(cfg.model)
-    loader = DataLoader(source_from_config(cfg), cfg.data.batch_size, world, range(world))
+    source = source_from_config(cfg)
+    loader = DataLoader(source, cfg.data.batch_size, world, range(world))
+    # each split as a W-rank run of it pads its ranks: the capacities fitted for that run
+    policies = {name: run_policy(cfg, world, name, source) for name in ("identity", "balanced")}
     rows = []
     for i in range(warmup + num_batches):
         batches = next(loader)
@@ -51,11 +56,19 @@ def simulate(cfg, backend: str, world: int, num_batches: int, warmup: int = 1) -
         for name, plan in plans.items():
             local = exchange_reference(batches, plan)
             flops = stats[:, STAT_WORKLOAD].astype(np.float64)[plan.indices].sum(axis=1)
-            row[name] = {"rank_s": timer.time_ranks(local), "rank_flops": flops.tolist()}
+            rank_s = timer.time_ranks(local, policy=policies[name])
+            row[name] = {"rank_s": rank_s, "rank_flops": flops.tolist()}
         if i >= warmup:  # the warm-up batch compiles (JAX buckets, Triton autotuning)
             rows.append(row)
     update_s = timer.time_optimizer()
     return summarize(rows, update_s, backend, world, timer.device_name)
+
+
+def run_policy(cfg, world: int, shuffler: str, source) -> CapacityPolicy:
+    """The capacity policy of a `world`-rank run of `cfg` with `shuffler`."""
+    tree = cfg.to_dict()
+    tree["dist"]["world_size"], tree["balance"]["shuffler"] = world, shuffler
+    return for_source(config_from_dict(tree), source)
 
 
 def summarize(rows: list[dict], update_s: float, backend: str, world: int, device: str) -> dict:

@@ -7,7 +7,8 @@ of repeats, after a compiling warm-up):
 * `RankTimer`: one rank's forward (+ backward) of its shard of a DeviceBatch, alone on its
   device (no collective, no update): the per-rank compute time;
 * `LocalTimer`: one device standing in for W ranks (`hstu bench e2e --simulate-ranks W`): each
-  rank's local batch, padded as the W-rank run would pad it, and the optimizer update.
+  rank's local batch, padded as the W-rank run would pad it (the run's capacity policy), and
+  the optimizer update.
 """
 
 from __future__ import annotations
@@ -71,12 +72,14 @@ class LocalTimer:
     """One device standing in for W ranks: times each rank's local batch and the update."""
 
     def __init__(self, cfg, device=None, repeats: int = 3):
+        from hstu.capacity import for_source
         from hstu.jax_backend.model import build_model
         from hstu.jax_backend.state import init_state, make_optimizer
         from hstu.params import init_params
 
         self.device = device or jax.devices()[0]
         self.cfg, self.repeats = cfg, repeats
+        self.policy = for_source(cfg)  # the token capacities a run of `cfg` pads to
         self.mesh = col.make_mesh([self.device])
         cpu = self.device.platform == "cpu"
         self.model = build_model(cfg.model, cfg.data.max_seqlen, interpret=cpu)
@@ -87,11 +90,14 @@ class LocalTimer:
         self.ranks = RankTimer(self.model)
         self.device_name = "cpu" if cpu else self.device.device_kind
 
-    def time_ranks(self, local: Sequence[JaggedBatch], forward_only: bool = False) -> list[float]:
-        """Each rank's local batch, sized as the W-rank run sizes it (every rank padded to the
-        largest rank's token capacity, the shape the real step compiles for)."""
+    def time_ranks(
+        self, local: Sequence[JaggedBatch], forward_only: bool = False, policy=None
+    ) -> list[float]:
+        """Each rank's local batch, sized as the W-rank run sizes it: every rank padded to the
+        token capacity `policy` (`hstu.capacity.CapacityPolicy`, default: the config's) gives
+        the largest rank, the shape the real step compiles for."""
         rank_lengths = {k: np.stack([b.lengths[k] for b in local]) for k in local[0].keys}
-        spec = jb.spec_for(local[0], rank_lengths)
+        spec = jb.spec_for(local[0], rank_lengths, (policy or self.policy).capacity)
         total = float(sum(loss_tokens(b, self.cfg.model.task).sum() for b in local))
         out = []
         for b in local:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hstu.batch import JaggedBatch
+from hstu.capacity import for_source
 from hstu.params import init_params
 from hstu.pipeline import loss_tokens
 from hstu.torch_backend.batch import TorchBatch, to_torch
@@ -115,18 +116,24 @@ class LocalTimer:
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.model.train()
+        self.policy = for_source(cfg)  # the token capacities a run of `cfg` pads to
         if cfg.train.cuda_graphs and self.device.type == "cuda":  # time what the run replays
-            from hstu.capacity import from_config
             from hstu.torch_backend.graphs import GraphedStack
 
-            self.model.graphed = GraphedStack(self.model, from_config(cfg), cfg.data.max_seqlen)
+            self.model.graphed = GraphedStack(self.model, self.policy, cfg.data.max_seqlen)
         self.optimizer = make_optimizer(self.model.parameters(), cfg.train)
         self.device_name = (
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         )
 
-    def time_ranks(self, local: Sequence[JaggedBatch], forward_only: bool = False) -> list[float]:
-        """Forward (+ backward) seconds of every rank's local batch, each alone."""
+    def time_ranks(
+        self, local: Sequence[JaggedBatch], forward_only: bool = False, policy=None
+    ) -> list[float]:
+        """Forward (+ backward) seconds of every rank's local batch, each alone; with graphs,
+        padded to the capacities of `policy` (`hstu.capacity.CapacityPolicy`, default: the
+        config's), as the run that `policy` was fitted for pads them."""
+        if self.model.graphed is not None:
+            self.model.graphed.policy = policy or self.policy
         total = int(sum(loss_tokens(b, self.cfg.model.task).sum() for b in local))
         out = []
         for b in local:

@@ -198,27 +198,26 @@ def _backward(cfg: _Cfg, res, g):
     do = g.astype(q.dtype)
     aux = _aux_inputs(cfg, offs, ctx, cand, ts, rab_pos, rab_time)
     tok = _token_mask(offs, t_cap)
+    dq_cfg, kv = cfg.for_kernel("dq"), cfg.for_kernel("dkdv")  # each kernel's own tiles
 
     dq = _call(
         _dq_kernel,
-        cfg,
-        (cfg.nqb, bsz, heads),
+        dq_cfg,
+        (dq_cfg.nqb, bsz, heads),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         [*aux, q, k, v, do],
         "hstu_attention_bwd_dq",
     )
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if cfg.time_size:
-        out_shape.append(jax.ShapeDtypeStruct((bsz, heads, cfg.nkb, cfg.time_pad), jnp.float32))
-    if cfg.pos_size:
-        out_shape.append(
-            jax.ShapeDtypeStruct((bsz, heads, cfg.nkb, cfg.nqb, cfg.upad), jnp.float32)
-        )
-        out_shape.append(jax.ShapeDtypeStruct((bsz * heads * cfg.nkb, cfg.bq, cfg.bk), jnp.float32))
+    if kv.time_size:
+        out_shape.append(jax.ShapeDtypeStruct((bsz, heads, kv.nkb, kv.time_pad), jnp.float32))
+    if kv.pos_size:
+        out_shape.append(jax.ShapeDtypeStruct((bsz, heads, kv.nkb, kv.nqb, kv.upad), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((bsz * heads * kv.nkb, kv.bq, kv.bk), jnp.float32))
     outs = _call(
         _dkdv_kernel,
-        cfg,
-        (cfg.nkb, bsz, heads),
+        kv,
+        (kv.nkb, bsz, heads),
         out_shape,
         [*aux, q, k, v, do],
         "hstu_attention_bwd_dkdv",
@@ -231,9 +230,9 @@ def _backward(cfg: _Cfg, res, g):
     d_time = None
     d_pos = None
     idx = 2
-    if cfg.time_size:
-        d_time = jnp.sum(outs[idx], axis=(0, 2))[:, : cfg.time_size].astype(rab_time.dtype)
+    if kv.time_size:
+        d_time = jnp.sum(outs[idx], axis=(0, 2))[:, : kv.time_size].astype(rab_time.dtype)
         idx += 1
-    if cfg.pos_size:
-        d_pos = _reduce_pos_partials(cfg, outs[idx]).astype(rab_pos.dtype)
+    if kv.pos_size:
+        d_pos = _reduce_pos_partials(kv, outs[idx]).astype(rab_pos.dtype)
     return dq, dk, dv, d_pos, d_time, None, None, None, None

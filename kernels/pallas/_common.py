@@ -62,7 +62,8 @@ def _next_pow2(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of the kernels (the same tiles serve forward and backward).
+    """Tiling of one kernel (``hstu_attention`` takes one for all three kernels, a (forward,
+    backward) pair or a (forward, dk/dv, dq) triple).
 
     ``block_q`` / ``block_k``: query / key rows per tile, powers of two >= 16 (Triton
     ``dot`` needs every dimension >= 16). Both are capped at ``next_pow2(max_seqlen)``.
@@ -89,23 +90,67 @@ class BlockSizes:
             )
 
 
+KERNELS = ("fwd", "dkdv", "dq")
+
+# bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
+# kernel, from `python -m hstu_kernels.pallas.tune` on an H200 (table in kernels/README.md).
+# Head dims without a row use ``BlockSizes()`` for every kernel.
+_TUNED: dict[int, dict[str, BlockSizes]] = {}
+
+
+def default_block_sizes(
+    dim: int, kernel: str, dtype=jnp.bfloat16, interpret: bool = False
+) -> BlockSizes:
+    """Tiles of kernel ``fwd`` / ``dkdv`` / ``dq`` for head dim ``dim``: the tuned table for
+    compiled 16-bit inputs, ``BlockSizes()`` otherwise (fp32, interpret mode, untuned dims)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if interpret or jnp.dtype(dtype) == jnp.float32:
+        return BlockSizes()
+    row = _TUNED.get(max(16, _next_pow2(dim)), {})
+    return row.get(kernel, BlockSizes())
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
-    """Static configuration of one call (hashable: it is a custom_vjp nondiff arg)."""
+    """Static configuration of one call (hashable: it is a custom_vjp nondiff arg). ``tiles``
+    holds every kernel's ``BlockSizes``; ``kernel`` names the one whose tiles ``bq`` / ``bk``
+    / ``num_warps`` / ``num_stages`` read (``for_kernel``)."""
 
     max_seqlen: int
     alpha: float
     normalizer: float
-    bq: int
-    bk: int
-    num_warps: int
-    num_stages: int
+    tiles: tuple[BlockSizes, BlockSizes, BlockSizes]  # (forward, dk/dv, dq)
     interpret: bool
     has_ctx: bool
     has_cand: bool
     pos_size: int  # P, 0 when rab_pos is None
     time_size: int  # Tb, 0 when rab_time is None
     fast_math: bool  # sigmoid via tanh.approx (compiled 16-bit inputs only)
+    kernel: str = "fwd"
+
+    def for_kernel(self, kernel: str) -> _Cfg:
+        return dataclasses.replace(self, kernel=kernel)
+
+    @property
+    def _tile(self) -> BlockSizes:
+        return self.tiles[KERNELS.index(self.kernel)]
+
+    @property
+    def bq(self) -> int:  # tiles never exceed the (power-of-two) longest sample
+        return min(self._tile.block_q, max(16, _next_pow2(self.max_seqlen)))
+
+    @property
+    def bk(self) -> int:
+        return min(self._tile.block_k, max(16, _next_pow2(self.max_seqlen)))
+
+    @property
+    def num_warps(self) -> int:
+        return self._tile.num_warps
+
+    @property
+    def num_stages(self) -> int:
+        return self._tile.num_stages
 
     @property
     def nqb(self) -> int:

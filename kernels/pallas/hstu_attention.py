@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from ._backward import _backward
-from ._common import BlockSizes, _approx_tanh, _Cfg, _next_pow2
+from ._common import KERNELS, BlockSizes, _approx_tanh, _Cfg, _next_pow2, default_block_sizes
 from ._forward import _forward
 
-__all__ = ["BlockSizes", "hstu_attention"]
+__all__ = ["KERNELS", "BlockSizes", "default_block_sizes", "hstu_attention"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -61,6 +61,27 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _err(name: str, msg: str) -> ValueError:
     return ValueError(f"{name}: {msg}")
+
+
+def _resolve_blocks(
+    block_sizes, dim: int, dtype, interpret: bool
+) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
+    """(forward, dk/dv, dq) tiles from None (the defaults for ``dim``), one ``BlockSizes`` for
+    all three, a (forward, backward) pair or a triple (as the Triton kernels take them)."""
+    if block_sizes is None:
+        return tuple(default_block_sizes(dim, kernel, dtype, interpret) for kernel in KERNELS)
+    if isinstance(block_sizes, BlockSizes):
+        return block_sizes, block_sizes, block_sizes
+    if isinstance(block_sizes, tuple) and all(isinstance(b, BlockSizes) for b in block_sizes):
+        if len(block_sizes) == 2:
+            return block_sizes[0], block_sizes[1], block_sizes[1]
+        if len(block_sizes) == 3:
+            return block_sizes
+    raise _err(
+        "block_sizes",
+        "expected None, a BlockSizes, a (forward, backward) pair or a (forward, dk/dv, dq) "
+        f"triple of them, got {block_sizes!r}",
+    )
 
 
 def _check_int_vector(x, name: str, length: int):
@@ -88,7 +109,7 @@ def hstu_attention(
     timestamps: jax.Array | None = None,
     rab_pos: jax.Array | None = None,
     rab_time: jax.Array | None = None,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """HSTU attention over a jagged batch (see ``kernels/README.md``).
@@ -102,7 +123,8 @@ def hstu_attention(
       num_contextual, num_candidates: ``[B]`` int or None.
       timestamps: ``[T]`` int (used as int32), required with ``rab_time``.
       rab_pos: ``[H, P]``; rab_time: ``[H, Tb]`` bias tables or None.
-      block_sizes: tiling, default ``BlockSizes()``.
+      block_sizes: tiling: one ``BlockSizes`` for every kernel, a (forward, backward) pair
+        or a (forward, dk/dv, dq) triple; None: ``default_block_sizes`` of the head dim.
       interpret: run the Pallas interpreter; None means "when the default backend is CPU".
 
     Returns ``[T, H, Dv]`` in ``q.dtype`` (fp32 accumulation), zero past
@@ -147,26 +169,19 @@ def hstu_attention(
         raise _err("timestamps", "required when rab_time is given")
     if timestamps is not None:
         _check_int_vector(timestamps, "timestamps", t_cap)
-    if block_sizes is None:
-        block_sizes = BlockSizes()
-    if not isinstance(block_sizes, BlockSizes):
-        raise _err("block_sizes", f"expected BlockSizes or None, got {type(block_sizes)}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    tiles = _resolve_blocks(block_sizes, max(d_qk, v.shape[2]), q.dtype, interpret)
 
     d_v = v.shape[2]
     if bsz == 0 or t_cap == 0:
         return jnp.zeros((t_cap, heads, d_v), q.dtype)
 
-    cap = max(16, _next_pow2(max_seqlen))
     cfg = _Cfg(
         max_seqlen=max_seqlen,
         alpha=float(alpha),
         normalizer=float(normalizer),
-        bq=min(block_sizes.block_q, cap),
-        bk=min(block_sizes.block_k, cap),
-        num_warps=block_sizes.num_warps,
-        num_stages=block_sizes.num_stages,
+        tiles=tiles,
         interpret=bool(interpret),
         has_ctx=num_contextual is not None,
         has_cand=num_candidates is not None,

@@ -3,8 +3,7 @@
     python -m hstu_kernels.triton.tune [--dims 64,128,256] [--seqlen 4096 --batch 8]
 
 For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
-shaped like ``configs/bench_upstream.yaml`` (32 samples, Zipf(1.2) histories of 16..2000
-events, 2 tokens per event, 4 contextual and 8..64 candidate tokens). Each forward candidate
+shaped like ``configs/bench_upstream.yaml`` (``hstu_kernels.tune_cases``). Each forward candidate
 is timed forward only, each backward candidate backward only (the autograd graph of one
 forward replayed with ``retain_graph``), both as CUDA-event medians; every candidate's
 output and gradients are first compared with the built-in default's (a tile that computes
@@ -18,10 +17,10 @@ import numpy as np
 import torch
 import triton
 
+from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
 from ._launch import BlockSizes, default_block_sizes
 from .bench import _time_ms
 from .hstu_attention import hstu_attention
-from .reference import hstu_mask_reference
 
 FWD_CANDIDATES = [
     BlockSizes(64, 64, 4, 3), BlockSizes(64, 64, 4, 2), BlockSizes(64, 32, 4, 3),
@@ -40,26 +39,13 @@ BWD_CANDIDATES = [
 PASSES = {"fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES}
 
 
-def _zipf_lengths(rng, batch: int):
-    """bench_upstream's samples: 4 contextual + 2 x history (bounded Zipf(1.2) on [16, 2000],
-    as hstu/data/distributions.py draws it) + 8..64 candidates."""
-    support = np.arange(1, 2000 - 16 + 2, dtype=np.float64)
-    cdf = np.cumsum(support**-1.2)
-    hist = 16 + np.searchsorted(cdf / cdf[-1], rng.random(batch), side="right").clip(0, 1984)
-    cand = rng.integers(8, 65, size=batch)
-    return 4 + 2 * hist + cand, cand
-
-
 def _case(name, lengths, num_candidates, num_contextual, heads, dim, max_seqlen):
     dev = torch.device("cuda")
     T = int(sum(lengths))
     q, k, v, g = (torch.randn(T, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(4))
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), device=dev)
     kw = dict(max_seqlen=max_seqlen, alpha=1.0 / dim**0.5, normalizer=float(max_seqlen))
-    pairs = 0
-    for i, n in enumerate(lengths):
-        nk = int(num_candidates[i]) if num_candidates is not None else 0
-        pairs += int(hstu_mask_reference(int(n), num_contextual, nk).sum())
+    pairs = mask_pairs(lengths, num_contextual, num_candidates)
     if num_contextual:
         kw["num_contextual"] = torch.full((len(lengths),), num_contextual, device=dev)
     if num_candidates is not None:
@@ -133,7 +119,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune needs a CUDA device")
     rng = np.random.default_rng(0)
-    lengths, cand = _zipf_lengths(rng, 32)
+    lengths, cand = bench_upstream_batch(rng, 32)
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, bf16, heads={args.heads}, triton {triton.__version__}")
     print(f"# jagged: 32 samples, {int(lengths.sum())} tokens, longest {int(lengths.max())}")
@@ -141,7 +127,7 @@ def main(argv=None) -> None:
         cases = [
             _case(f"{args.batch}x{args.seqlen}", [args.seqlen] * args.batch, None, 0,
                   args.heads, dim, args.seqlen),
-            _case("jagged", lengths, cand, 4, args.heads, dim, 4100),
+            _case("jagged", lengths, cand, 4, args.heads, dim, MAX_SEQLEN),
         ]  # fmt: skip
         results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
                    for c in cases}  # fmt: skip

@@ -89,3 +89,24 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
     assert "projected balanced speedup at W=2" in printed
     assert "breakdown torch/balanced/allgather" in printed
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulation_pads_each_split_as_its_own_run():
+    """The simulated ranks pad to the capacities a W-rank run of that split fits, not to the
+    capacities of the configured (here 1-rank) run."""
+    from hstu.bench.simulate import run_policy
+    from hstu.capacity import for_source
+    from hstu.config import load_config
+    from hstu.data import source_from_config
+
+    data = ["data.batch_size=16", "data.max_history=1000"]
+    cfg = load_config("demo", [*data, "dist.world_size=1"])
+    source = source_from_config(cfg)
+    got = {s: run_policy(cfg, 4, s, source) for s in ("identity", "balanced")}
+    for s, policy in got.items():
+        run = load_config("demo", [*data, "dist.world_size=4", f"balance.shuffler={s}"])
+        assert policy == for_source(run, source)
+    # balancing evens the ranks: the largest rank, hence every capacity, is smaller
+    assert got["balanced"].capacities[-2] < got["identity"].capacities[-2]
+    assert got["identity"] != for_source(cfg, source)
+    assert cfg.dist.world_size == 1  # the caller's config is left alone

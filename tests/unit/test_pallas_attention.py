@@ -19,7 +19,9 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 from hstu_kernels.pallas import (  # noqa: E402
+    KERNELS,
     BlockSizes,
+    default_block_sizes,
     hstu_attention,
     hstu_attention_reference,
     hstu_mask_reference,
@@ -27,11 +29,21 @@ from hstu_kernels.pallas import (  # noqa: E402
 
 # name -> (lengths, heads, dqk, dv, dtype, features, block sizes, capacity padding)
 # lengths: per-sample (n, C, K). features: subset of {"ctx", "cand", "pos", "time"}.
+# block sizes: (block_q, block_k) for every kernel, or one pair per kernel (fwd, dkdv, dq).
 _MIXED = [(9, 0, 0), (13, 3, 0), (0, 0, 0), (11, 0, 4), (1, 0, 0), (37, 5, 6), (6, 2, 1)]
 CASES = {
     "plain_f32": ([(n, 0, 0) for n, _, _ in _MIXED], 2, 32, 32, "float32", (), (16, 16), 5),
     "all_f32": (_MIXED, 2, 24, 20, "float32", ("ctx", "cand", "pos", "time"), (16, 32), 7),
-    "all_bf16": (_MIXED, 2, 32, 32, "bfloat16", ("ctx", "cand", "pos", "time"), (32, 16), 3),
+    "all_bf16": (
+        _MIXED,
+        2,
+        32,
+        32,
+        "bfloat16",
+        ("ctx", "cand", "pos", "time"),
+        ((32, 16), (16, 32), (16, 16)),
+        3,
+    ),  # fmt: skip
     "ctx_cand_pos_f16": (_MIXED, 1, 16, 16, "float16", ("ctx", "cand", "pos"), (16, 16), 0),
     # GPU only: the kernel's target shape (seqlen 4096, bf16, H=4, D=128).
     "long_bf16": ([(4096, 0, 0), (3001, 64, 128)], 4, 128, 128, "bfloat16", (), (64, 64), 64),
@@ -92,8 +104,10 @@ def test_matches_reference(mode, case):
     if mode == "gpu" and jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args, kw, cot = _make_inputs(case)
-    _, _, _, _, dtype, _, (bq, bk), _ = CASES[case]
-    blocks = BlockSizes(block_q=bq, block_k=bk, num_warps=4, num_stages=2)
+    _, _, _, _, dtype, _, tiles, _ = CASES[case]
+    per_kernel = tiles if isinstance(tiles[0], tuple) else (tiles,) * 3
+    blocks = tuple(BlockSizes(block_q=bq, block_k=bk, num_warps=4, num_stages=2)
+                   for bq, bk in per_kernel)  # fmt: skip
     interpret = mode == "interpret"
     diff = ["q", "k", "v"] + [t for t in ("rab_pos", "rab_time") if t in kw]
 
@@ -163,6 +177,8 @@ def test_mask_matches_brute_force():
         (dict(rab_pos=np.zeros((3, 4), np.float32)), "rab_pos"),
         (dict(rab_time=np.zeros((2, 4), np.float32)), "timestamps"),
         (dict(max_seqlen=0), "max_seqlen"),
+        (dict(block_sizes=(BlockSizes(),) * 4), "block_sizes"),
+        (dict(block_sizes=(64, 32)), "block_sizes"),
     ],
 )
 def test_rejects_bad_shapes(bad, name):
@@ -179,3 +195,18 @@ def test_rejects_bad_shapes(bad, name):
     args = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in args.items()}
     with pytest.raises(ValueError, match=name):
         hstu_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("seq_offsets"), **args)
+
+
+def test_default_tiles_per_kernel():
+    """Compiled 16-bit inputs read the tuned row of their head dim, kernel by kernel; fp32
+    and interpret mode keep ``BlockSizes()``."""
+    from hstu_kernels.pallas import _common
+
+    for dim, row in ((64, 64), (96, 128), (200, 256), (256, 256)):
+        for kernel in KERNELS:
+            expected = _common._TUNED.get(row, {}).get(kernel, BlockSizes())
+            assert default_block_sizes(dim, kernel, jnp.bfloat16) == expected
+            assert default_block_sizes(dim, kernel, jnp.float32) == BlockSizes()
+            assert default_block_sizes(dim, kernel, jnp.bfloat16, interpret=True) == BlockSizes()
+    with pytest.raises(ValueError, match="kernel"):
+        default_block_sizes(128, "bwd")
