@@ -95,7 +95,10 @@ KERNELS = ("fwd", "dkdv", "dq")
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
 # kernel, from `python -m hstu_kernels.pallas.tune` on an H200 (table in kernels/README.md).
 # Head dims without a row use ``BlockSizes()`` for every kernel.
-_TUNED: dict[int, dict[str, BlockSizes]] = {}
+_TUNED: dict[int, dict[str, BlockSizes]] = {
+    256: {"fwd": BlockSizes(128, 64, 8, 2), "dkdv": BlockSizes(64, 32, 4, 2),
+          "dq": BlockSizes(64, 32, 4, 3)},
+}  # fmt: skip
 
 
 def default_block_sizes(
