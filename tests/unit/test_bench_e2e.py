@@ -110,3 +110,23 @@ def test_simulation_pads_each_split_as_its_own_run():
     assert got["balanced"].capacities[-2] < got["identity"].capacities[-2]
     assert got["identity"] != for_source(cfg, source)
     assert cfg.dist.world_size == 1  # the caller's config is left alone
+
+
+def test_jax_median_time_is_per_call_with_calls_back_to_back():
+    """Each sample dispatches several calls before one wait and reports the time per call."""
+    import time
+
+    import jax.numpy as jnp
+
+    from hstu.jax_backend.timing import median_time
+
+    calls = []
+
+    def run():
+        calls.append(1)
+        time.sleep(0.01)
+        return jnp.zeros(())
+
+    sec = median_time(run, repeats=3, warmup=1, back_to_back=4)
+    assert len(calls) == 1 + 3 * 4
+    assert 0.01 <= sec < 0.02  # one call's time, not four
