@@ -159,7 +159,13 @@ print('torchrec', torchrec.__version__)" ;;
     multi)
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
       # shuffler against identity on the Zipf recipe, both backends, 2 ranks
-      run nccl_tests timeout 300 python -m pytest -q -m gpu tests/multirank -p no:cacheprovider
+      # one file per run, each under its own limit, verbose: a slow or hung test names itself
+      for f in tests/multirank/test_torch_exchange.py tests/multirank/test_torch_train.py \
+               tests/multirank/test_robustness_failures.py tests/multirank/test_robustness_layout.py \
+               tests/multirank/test_sharded_torch.py; do
+        run "nccl_$(basename "$f" .py)" timeout ${NCCL_TEST_LIMIT:-180} python -m pytest -v -m gpu \
+          "$f" -p no:cacheprovider --durations=0
+      done
       for backend in torch jax; do
         for shuffler in identity balanced; do
           run "train_2gpu_${backend}_${shuffler}" timeout 200 python -m hstu.cli train \
