@@ -143,14 +143,15 @@ print('torchrec', torchrec.__version__)" ;;
           --config bench_upstream --steps 14 --profile-at 10
       done ;;
     e2e2)
-      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all ($E2E2_EXCHANGES), with the
-      # W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
+      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all ($E2E2_EXCHANGES), in
+      # $E2E2_REPEATS alternating rounds, with the W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
       # where there is nothing to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
       x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
       run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
         --backends $E2E_BACKENDS --exchanges $x --probe-every 15 --breakdown \
-        --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 dist.world_size=2
+        --repeats ${E2E2_REPEATS:-1} --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 \
+        dist.world_size=2
       cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json"; cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
       [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
         --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \

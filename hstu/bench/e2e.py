@@ -2,7 +2,7 @@
 
     hstu bench e2e --config bench_upstream [--backends torch,jax] [--shufflers identity,balanced]
         [--exchanges allgather,all2all] [--steps N] [--probe-every K] [--breakdown]
-        [--simulate-ranks W] [--out DIR] [key=value ...]
+        [--repeats R] [--simulate-ranks W] [--out DIR] [key=value ...]
 
 Every combination trains in its own process (`hstu train`, data-parallel size
 `dist.world_size`); identity moves nothing, so it runs once per backend whatever the
@@ -17,6 +17,11 @@ compiled or held a measurement):
   the part of it the wait for the device did not absorb (`exposed_balancer_s`), in ms and as a
   share of the step;
 * speedup over identity (same backend), padding waste, programs compiled.
+
+`--repeats R` runs every combination R times, in rounds (identity, balanced, identity,
+balanced, ...), so slow drifts of the machine fall on both: a row pools the timed steps of its
+R runs, and `step_ms_runs` / `speedup_runs` give each run's median and its speedup over the
+identity run of the same round.
 
 `--breakdown` splits the step: the host phases of the main thread (they are the step period as
 the host sees it; their sum is checked against the step) and the device phases of one step
@@ -62,15 +67,20 @@ def run_names(backends, shufflers, exchanges) -> list[tuple[str, str, str]]:
     return out
 
 
-def summarize_run(rows: list[dict], world: int) -> dict:
-    """The table row of one run, from its metrics.jsonl."""
-    if not rows:
-        raise HSTUError("the run wrote no metrics")
-    use = timed_rows(rows, skip_warmup=2)
+def summarize_run(runs: list[list[dict]], world: int) -> dict:
+    """The table row of one combination, from the metrics.jsonl of each of its runs (one per
+    `--repeats` round): medians over the timed steps of all runs together, and each run's own
+    median step (`step_ms_runs`, the spread between runs)."""
+    if not runs or not all(runs):
+        raise HSTUError("a run wrote no metrics")
+    per_run = [timed_rows(rows, skip_warmup=2) for rows in runs]
+    use = [r for rows in per_run for r in rows]
+    rows = [r for run in runs for r in run]
     step = [r["step_time_s"] for r in use]
     probes = [r for r in rows if r.get("compute_s_after")]
     out = {
         "steps": len(rows),
+        "step_ms_runs": [1e3 * _med([r["step_time_s"] for r in run]) for run in per_run],
         "steps_timed": len(use),
         "step_ms": 1e3 * _med(step),
         "step_p90_ms": 1e3 * _p90(step),
@@ -88,7 +98,7 @@ def summarize_run(rows: list[dict], world: int) -> dict:
         "exposed_balancer_ms": 1e3 * _med(r["exposed_balancer_s"] for r in use),
         "padding_waste": _med(r["padding_waste"] for r in use),
         "num_compiles": max(r.get("num_compiles", 0) for r in rows),
-        "loss_last": rows[-1]["loss"],
+        "loss_last": runs[-1][-1]["loss"],
         # means, not medians: they add up, so the phases account for the mean step exactly
         "step_mean_ms": 1e3 * float(np.mean(step)),
         "host_ms": {p: 1e3 * float(np.mean([r["host_s"][p] for r in use])) for p in HOST_PHASES},
@@ -165,6 +175,18 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def format_rounds(results: dict) -> str:
+    """Each run's median step and its speedup over the identity run of its round."""
+    lines = ["per run (rounds alternate the combinations): step ms / speedup over identity"]
+    for key, r in results.items():
+        cells = ", ".join(
+            f"{ms:.2f} / {sp:.3f}x"
+            for ms, sp in zip(r["step_ms_runs"], r["speedup_runs"], strict=True)
+        )
+        lines.append(f"  {key}: {cells}")
+    return "\n".join(lines)
+
+
 def format_breakdown(key: str, r: dict) -> str:
     lines = [f"breakdown {key} (ms)"]
     host = r["host_ms"]
@@ -230,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--probe-every", type=int, default=10)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of runs; a row pools its rounds' steps"
+    )
     parser.add_argument("--simulate-ranks", type=int, default=0)
     parser.add_argument("--sim-batches", type=int, default=8)
     parser.add_argument("--skip-runs", action="store_true", help="only the simulation")
@@ -237,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # errors here, before any run
+    if args.repeats < 1:
+        raise HSTUError(f"hstu bench e2e: --repeats must be >= 1, got {args.repeats}")
     backends = args.backends.split(",")
     out = Path(args.out or Path(cfg.output_dir) / "bench_e2e")
     out.mkdir(parents=True, exist_ok=True)
@@ -246,29 +273,40 @@ def main(argv: list[str] | None = None) -> int:
         else run_names(backends, args.shufflers.split(","), args.exchanges.split(","))
     )
     world = cfg.dist.world_size
-    results: dict[str, dict] = {}
-    for i, (b, s, x) in enumerate(names):
-        key = f"{b}/{s}/{x}"
-        t0 = time.time()
-        rows = _train(args, b, s, x, out / key.replace("/", "-"))
-        results[key] = summarize_run(rows, world)
-        ident = results.get(f"{b}/identity/-")
-        results[key]["speedup"] = ident["step_ms"] / results[key]["step_ms"] if ident else 1.0
-        r = results[key]
-        print(
-            f"[{i + 1}/{len(names)}] {key}: {r['step_ms']:.2f} ms/step "
-            f"(p90 {r['step_p90_ms']:.2f}), {r['tflops_per_device']:.1f} TFLOP/s, imbalance "
-            f"FLOPs {r['imbalance_flops_before']:.2f} -> {r['imbalance_flops_after']:.2f}, "
-            f"time {r['imbalance_time_before']:.2f} -> {r['imbalance_time_after']:.2f} "
-            f"({time.time() - t0:.0f} s)",
-            flush=True,
-        )
+    runs: dict[str, list[list[dict]]] = {f"{b}/{s}/{x}": [] for b, s, x in names}
+    total = len(names) * args.repeats
+    for rnd in range(args.repeats):  # rounds: every combination once, so they alternate
+        for i, (b, s, x) in enumerate(names):
+            key = f"{b}/{s}/{x}"
+            t0 = time.time()
+            where = out / key.replace("/", "-")
+            rows = _train(args, b, s, x, where / f"run{rnd}" if args.repeats > 1 else where)
+            runs[key].append(rows)
+            r = summarize_run([rows], world)
+            print(
+                f"[{rnd * len(names) + i + 1}/{total}] {key}: {r['step_ms']:.2f} ms/step "
+                f"(p90 {r['step_p90_ms']:.2f}), {r['tflops_per_device']:.1f} TFLOP/s, "
+                f"imbalance FLOPs {r['imbalance_flops_before']:.2f} -> "
+                f"{r['imbalance_flops_after']:.2f}, time {r['imbalance_time_before']:.2f} -> "
+                f"{r['imbalance_time_after']:.2f} ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
+    results = {key: summarize_run(key_runs, world) for key, key_runs in runs.items()}
+    for key, r in results.items():
+        ident = results.get(key.split("/")[0] + "/identity/-")
+        r["speedup"] = ident["step_ms"] / r["step_ms"] if ident else 1.0
+        # paired by round: each run against the identity run of the same round
+        pairs = zip(ident["step_ms_runs"], r["step_ms_runs"], strict=True) if ident else []
+        r["speedup_runs"] = [a / b for a, b in pairs] or [1.0] * len(r["step_ms_runs"])
     report = {"config": args.config, "overrides": args.overrides, "world_size": world}
+    report["repeats"] = args.repeats
     report["runs"] = results
     if results:
         print()
         print(f"hstu bench e2e: {args.config} {' '.join(args.overrides)}, W={world}")
         print(format_table(results))
+        if args.repeats > 1:
+            print(format_rounds(results))
         if args.breakdown:
             for key, r in results.items():
                 print(format_breakdown(key, r))

@@ -42,6 +42,8 @@ RUN_FIELDS = {
     "host_sum_ms",
     "device_ms",
     "speedup",
+    "step_ms_runs",
+    "speedup_runs",
 }
 
 
@@ -66,6 +68,8 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
     ]
     for key, r in report["runs"].items():
         assert set(r) == RUN_FIELDS, (key, set(r) ^ RUN_FIELDS)
+        assert r["step_ms_runs"] == [pytest.approx(r["step_ms"])]  # one run: its own median
+        assert r["speedup_runs"] == [pytest.approx(r["speedup"])]
         assert r["mfu"] is None  # no known peak on a CPU
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["steps_timed"] >= 3
         # the host phases are the step as the host sees it: they account for it exactly
@@ -130,3 +134,29 @@ def test_jax_median_time_is_per_call_with_calls_back_to_back():
     sec = median_time(run, repeats=3, warmup=1, back_to_back=4)
     assert len(calls) == 1 + 3 * 4
     assert 0.01 <= sec < 0.02  # one call's time, not four
+
+
+@pytest.mark.slow
+def test_e2e_bench_repeats_alternate_and_pool(tmp_path, capsys):
+    """`--repeats 2`: rounds of identity then balanced, each run in its own folder; a row pools
+    its runs' steps and keeps each run's median and its speedup over the same round's identity."""
+    argv = [
+        *("bench", "e2e", "--config", "demo", "--backends", "torch", "--exchanges", "allgather"),
+        *("--steps", "6", "--probe-every", "0", "--repeats", "2", "--out", str(tmp_path)),
+        *("dist.world_size=1", "model.num_layers=1", "data.batch_size=4", "data.max_history=32"),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert report["repeats"] == 2
+    ident, bal = report["runs"]["torch/identity/-"], report["runs"]["torch/balanced/allgather"]
+    for r in (ident, bal):
+        assert len(r["step_ms_runs"]) == 2 and r["steps"] == 12  # both runs' rows
+        assert min(r["step_ms_runs"]) <= r["step_ms"] <= max(r["step_ms_runs"])
+    assert ident["speedup_runs"] == [1.0, 1.0]
+    for a, b, sp in zip(ident["step_ms_runs"], bal["step_ms_runs"], bal["speedup_runs"]):
+        assert sp == pytest.approx(a / b)
+    for name in ("torch-identity--", "torch-balanced-allgather"):
+        for rnd in (0, 1):
+            assert (tmp_path / name / f"run{rnd}" / "metrics.jsonl").is_file()
+    assert "[4/4] torch/balanced/allgather" in printed and "per run (rounds" in printed
