@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
-#                                               e2e sim simcheck profile graphs ab
+#                                               e2e sim simcheck profile graphs ab optim
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -137,6 +137,9 @@ print('torchrec', torchrec.__version__)" ;;
           --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w
         cp /tmp/sim_w$w/e2e.json "$OUT/sim_w$w.json"
       done ;;
+    optim)
+      # what the AdamW update costs: optax per leaf / small leaves flattened / torch fused
+      run optimizer_timing python scripts/optimizer_timing.py --config bench_upstream ;;
     profile)
       for backend in torch jax; do
         run "profile_$backend" python scripts/profile_step.py --backend $backend \
