@@ -103,17 +103,24 @@ class TorchBackend(TorchShuffler):
         if loss.requires_grad:
             loss.backward()  # launches the bucket reductions as their gradients finish
         self._mark(marks)
-        scalars = torch.cat(
-            [loss.detach().float().reshape(1)]
-            + [v.detach().float().reshape(1) for v in sums.values()]
-        )
+        parts = [loss.detach().float().reshape(1)]
+        parts += [v.detach().float().reshape(1) for v in sums.values()]
+        names = ["loss", *sums]
+        if self.model.graphed is not None:
+            # graphs captured by this rank so far, summed over ranks by the same all-reduce: a
+            # step in which any rank captures waits for it on every rank, so every rank's
+            # metrics must see the count rise (`hstu.metrics.timed_rows` leaves such steps out)
+            graphs = float(self.model.graphed.num_graphs)
+            parts.append(torch.full((1,), graphs, device=loss.device))
+            names.append("num_compiles")
+        scalars = torch.cat(parts)
         if self.world_size > 1:
             dist.all_reduce(scalars, op=dist.ReduceOp.SUM, group=self.group, async_op=True).wait()
         grad_norm = self.buckets.finish()
         self._mark(marks)
         return {
             "scalars": torch.cat([scalars, grad_norm.reshape(1)]),
-            "names": ["loss", *sums, "grad_norm"],
+            "names": [*names, "grad_norm"],
             "global_loss_tokens": global_loss_tokens,
             "marks": marks,
         }
@@ -152,11 +159,12 @@ class TorchBackend(TorchShuffler):
             pending["done"].synchronize()
         self._last_marks = pending["marks"]
         values = dict(zip(pending["names"], pending["scalars"].tolist(), strict=True))
+        graphs = values.pop("num_compiles", None)  # over all ranks (JAX: programs compiled)
         denom = max(int(pending["global_loss_tokens"]), 1)
-        per_target = set(pending["names"]) - {"loss", "grad_norm"}
+        per_target = set(values) - {"loss", "grad_norm"}
         out = {k: (v / denom if k in per_target else v) for k, v in values.items()}
-        if self.model.graphed is not None:  # graphs captured so far (JAX: programs compiled)
-            out["num_compiles"] = self.model.graphed.num_graphs
+        if graphs is not None:
+            out["num_compiles"] = int(round(graphs))
         return out
 
     def probe(self, prepared, repeats: int = 3, phases: bool = True) -> dict:

@@ -240,3 +240,39 @@ def test_torchrun_prints_and_records_the_world_it_runs_with(tmp_path):
     assert load_config(tmp_path / "config.yaml").dist.world_size == 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [len(r["rank_workloads_before"]) for r in rows] == [2, 2]
+
+
+def _graph_count_worker(rank: int, world: int, device: str) -> list[int]:
+    """Three steps with the stack padded per rank (graphs without capture, as on CPU): rank 1
+    reaches a second capacity at the third step, rank 0 never does."""
+    from hstu.capacity import CapacityPolicy
+    from hstu.pipeline import STAT_LOSS_TOKENS, STAT_TOKENS, sample_stats
+    from hstu.torch_backend.graphs import GraphedStack
+    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.workload import HSTUCost
+
+    cfg = _cfg("ranking", "dist.world_size=2")
+    cost = HSTUCost.from_model_config(cfg.model)
+    steps = [make_global_batch(cfg, cfg.data.batch_size, real, first_id=100 * i)
+             for i, real in enumerate(((1, 1), (1, 1), (1, 4)))]  # fmt: skip
+    stats = [[sample_stats([b], cost, "ranking") for b in step] for step in steps]
+    tokens = [[int(s[:, STAT_TOKENS].sum()) for s in step] for step in stats]
+    small = max(max(t) for t in tokens[:2] + [[tokens[2][0]]])
+    assert tokens[2][1] > small, tokens  # rank 1's third batch needs the larger capacity
+    backend = TorchBackend(cfg, rank, world, device)
+    policy = CapacityPolicy((small, tokens[2][1]))
+    backend.model.graphed = GraphedStack(backend.model, policy, cfg.data.max_seqlen, capture=False)
+    seen = []
+    for step, step_stats in zip(steps, stats, strict=True):
+        glt = sum(int(s[:, STAT_LOSS_TOKENS].sum()) for s in step_stats)
+        handle = backend.forward_backward(backend.to_device([step[rank]]), glt)
+        seen.append(backend.fetch_metrics(backend.optimizer_step(handle))["num_compiles"])
+    return seen
+
+
+@pytest.mark.multirank
+def test_graph_captures_are_counted_over_all_ranks():
+    """A step in which any rank captures a graph stalls every rank: every rank's metrics count
+    the captures of all ranks, so the benchmark medians leave that step out everywhere."""
+    results = run_on_ranks(_graph_count_worker, 2)
+    assert results[0] == results[1] == [2, 2, 3]
