@@ -38,6 +38,7 @@ STEP_FIELDS = (
     "tflops_per_device",
     "host_s",
     "balancer_s",
+    "device_wait_s",
     "exposed_balancer_s",
     "perturbed",
     "max_memory_gib",

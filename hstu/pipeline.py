@@ -280,20 +280,27 @@ HOST_PHASES = (
 
 
 class _Clock:
-    """Splits the main thread's time into HOST_PHASES."""
+    """Splits the main thread's time into HOST_PHASES, and records how much of the dispatch
+    phase the thread spent blocked rather than running (`blocked_dispatch`: wall minus thread
+    CPU time), since a backend whose device is behind blocks in its dispatch calls (JAX does,
+    when the device queue is full) rather than in `fetch_wait`."""
 
     def __init__(self):
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
         self.spent = dict.fromkeys(HOST_PHASES, 0.0)
+        self.blocked_dispatch = 0.0
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.spent[phase] += now - self.last
-        self.last = now
+        if phase == "dispatch":
+            self.blocked_dispatch += max(0.0, (now - self.last) - (cpu - self.last_cpu))
+        self.last, self.last_cpu = now, cpu
 
-    def take(self) -> dict[str, float]:
-        out, self.spent = self.spent, dict.fromkeys(HOST_PHASES, 0.0)
-        return out
+    def take(self) -> tuple[dict[str, float], float]:
+        out, blocked = self.spent, self.blocked_dispatch
+        self.spent, self.blocked_dispatch = dict.fromkeys(HOST_PHASES, 0.0), 0.0
+        return out, blocked
 
 
 def run(
@@ -378,9 +385,10 @@ def run(
         clock.lap("fetch_wait")
         return metrics
 
-    def emit(metrics: dict, prepared: Prepared, host_s: dict) -> None:
+    def emit(metrics: dict, prepared: Prepared, laps: tuple[dict, float]) -> None:
         """Finish step `metrics["step"]`'s row with the host time of the iteration in which
         its metrics arrived (in steady state, one step period)."""
+        host_s, blocked_dispatch_s = laps
         step, w = metrics["step"], backend.world_size
         metrics |= step_metrics(prepared, w)
         # a static-shape backend pads the largest rank's tokens to its capacity (JAX reports
@@ -398,8 +406,10 @@ def run(
         metrics["host_s"] = host_s
         balancer_s = host_s["stats_gather"] + host_s["partition_wait"] + host_s["exchange"]
         metrics["balancer_s"] = balancer_s
-        # What the host's wait for the device could not absorb is on the critical path.
-        metrics["exposed_balancer_s"] = max(0.0, balancer_s - host_s["fetch_wait"])
+        # What the host's wait for the device (fetching, or blocked in a dispatch call) could
+        # not absorb is on the critical path.
+        metrics["device_wait_s"] = host_s["fetch_wait"] + blocked_dispatch_s
+        metrics["exposed_balancer_s"] = max(0.0, balancer_s - metrics["device_wait_s"])
         metrics["perturbed"] = step in perturbed
         if probe is not None:
             found = probe(step, prepared)

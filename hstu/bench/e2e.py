@@ -14,8 +14,8 @@ compiled or held a measurement):
   (`bench.probe_every`) each rank's forward + backward of its batch as loaded and as balanced
   runs alone on its device, timed on the device (`TrainBackend.probe`);
 * the balancer's host time on the main thread (stats gather + partition wait + exchange) and
-  the part of it the wait for the device did not absorb (`exposed_balancer_s`), in ms and as a
-  share of the step;
+  the part of it the host's wait for the device (fetching metrics, or blocked in a dispatch
+  call) did not absorb (`exposed_balancer_s`), in ms and as a share of the step;
 * speedup over identity (same backend), padding waste, programs compiled.
 
 `--repeats R` runs every combination R times, in rounds (identity, balanced, identity,

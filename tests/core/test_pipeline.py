@@ -1,6 +1,7 @@
 """The core schedule, driven by a single-process numpy backend that simulates W ranks."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -241,3 +242,44 @@ def test_rows_whose_time_holds_a_save_or_a_probe_are_marked(demo_cfg):
     assert rows[1]["probed"] and all(set(r["host_s"]) == set(pipeline.HOST_PHASES) for r in rows)
     for r in rows:
         assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
+
+
+class _TimedBackend(NumpyBackend):
+    """The numpy backend with a device that is `behind` (dispatch blocks, as JAX's does when
+    the device queue is full) or a host that is the bottleneck (dispatch burns the CPU), and an
+    exchange that burns `exchange_s` of host CPU."""
+
+    def __init__(self, world_size, behind: bool, exchange_s: float = 0.004):
+        super().__init__(world_size)
+        self.behind, self.exchange_s = behind, exchange_s
+
+    @staticmethod
+    def _spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def exchange(self, batches, plan, stats):
+        self._spin(self.exchange_s)
+        return super().exchange(batches, plan, stats)
+
+    def forward_backward(self, batches, global_loss_tokens):
+        time.sleep(0.02) if self.behind else self._spin(0.02)
+        return super().forward_backward(batches, global_loss_tokens)
+
+
+@pytest.mark.parametrize("behind", [True, False])
+def test_exposed_balancer_time_counts_a_dispatch_blocked_on_the_device(demo_cfg, behind):
+    """A host blocked in dispatch is waiting for the device: balancer work fits in that wait
+    (exposed 0); a host busy dispatching has no wait to hide it in (exposed = its time)."""
+    backend = _TimedBackend(4, behind)
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = pipeline.run(backend, batches_of(demo_cfg, 4), 5, cost, "ranking", prefetch=0)
+    for r in rows[1:-2]:  # steady state: one dispatch and one exchange per period
+        assert r["balancer_s"] >= 0.004
+        if behind:
+            assert r["device_wait_s"] >= 0.015 and r["exposed_balancer_s"] == 0.0
+        else:  # only preemption of the spinning thread reads as waiting
+            assert r["device_wait_s"] < 0.01
+            want = max(0.0, r["balancer_s"] - r["device_wait_s"])
+            assert r["exposed_balancer_s"] == pytest.approx(want)
