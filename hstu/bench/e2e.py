@@ -321,13 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             extra = real.get("device_ms", {}).get("grad_reduce", float("nan"))
             extra_s = extra / 1e3 if np.isfinite(extra) else 0.0
             note = f"gradient reduction measured at the real W={world}" if extra_s else ""
-            print(format_simulation(sim, extra_s, note))
-            sim["extra_s"], sim["extra_note"] = extra_s, note
+            exchange_s = real.get("exposed_balancer_ms", 0.0) / 1e3
+            print(format_simulation(sim, extra_s, note, exchange_s))
+            sim["extra_s"], sim["extra_note"], sim["exchange_s"] = extra_s, note, exchange_s
             if args.simulate_ranks == world:
                 for s in ("identity", "balanced"):
                     key = f"{b}/{s}/" + ("-" if s == "identity" else "allgather")
                     if key in results:
-                        proj = 1e3 * (sim[s]["projected_step_s"] + extra_s)
+                        added = extra_s + (exchange_s if s == "balanced" else 0.0)
+                        proj = 1e3 * (sim[s]["projected_step_s"] + added)
                         real_ms = results[key]["step_ms"]
                         print(
                             f"  {key}: projected {proj:.2f} ms vs real {real_ms:.2f} ms "

@@ -90,6 +90,9 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
         assert sim["world"] == 2
         assert sim["balanced"]["imbalance_flops"] < sim["identity"]["imbalance_flops"]
         assert sim["identity"]["projected_step_s"] > 0 and sim["projected_speedup"] > 0
+        # what the real W=2 run adds: its gradient reduction, and the balancer's exposed time
+        real = report["runs"][f"{b}/balanced/allgather"]
+        assert sim["exchange_s"] == pytest.approx(real["exposed_balancer_ms"] / 1e3)
     assert "projected balanced speedup at W=2" in printed
     assert "breakdown torch/balanced/allgather" in printed
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
