@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..tiles import KERNELS
+
 try:  # the Triton-specific Pallas API (load/store with masks, compiler params)
     from jax.experimental.pallas import triton as _plgpu
 except ImportError:  # pragma: no cover - very old / stripped jax builds
@@ -89,8 +91,6 @@ class BlockSizes:
                 f"BlockSizes.num_stages: expected an int >= 1, got {self.num_stages!r}"
             )
 
-
-KERNELS = ("fwd", "dkdv", "dq")
 
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
 # kernel, from `python -m hstu_kernels.pallas.tune` on an H200 (table in kernels/README.md).

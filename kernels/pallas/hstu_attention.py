@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..tiles import resolve_tiles
 from ._backward import _backward
 from ._common import KERNELS, BlockSizes, _approx_tanh, _Cfg, _next_pow2, default_block_sizes
 from ._forward import _forward
@@ -66,21 +67,8 @@ def _err(name: str, msg: str) -> ValueError:
 def _resolve_blocks(
     block_sizes, dim: int, dtype, interpret: bool
 ) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
-    """(forward, dk/dv, dq) tiles from None (the defaults for ``dim``), one ``BlockSizes`` for
-    all three, a (forward, backward) pair or a triple (as the Triton kernels take them)."""
-    if block_sizes is None:
-        return tuple(default_block_sizes(dim, kernel, dtype, interpret) for kernel in KERNELS)
-    if isinstance(block_sizes, BlockSizes):
-        return block_sizes, block_sizes, block_sizes
-    if isinstance(block_sizes, tuple) and all(isinstance(b, BlockSizes) for b in block_sizes):
-        if len(block_sizes) == 2:
-            return block_sizes[0], block_sizes[1], block_sizes[1]
-        if len(block_sizes) == 3:
-            return block_sizes
-    raise _err(
-        "block_sizes",
-        "expected None, a BlockSizes, a (forward, backward) pair or a (forward, dk/dv, dq) "
-        f"triple of them, got {block_sizes!r}",
+    return resolve_tiles(
+        block_sizes, BlockSizes, lambda k: default_block_sizes(dim, k, dtype, interpret)
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..tiles import KERNELS
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
 from ._forward import _hstu_fwd_kernel
 
@@ -50,8 +51,6 @@ class BlockSizes:
 
 INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
 
-
-KERNELS = ("fwd", "dkdv", "dq")
 
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
 # kernel, from `python -m hstu_kernels.triton.tune` on an H200 (table in kernels/README.md).

@@ -32,9 +32,9 @@ import math
 
 import torch
 
+from ..tiles import resolve_tiles
 from ._launch import (
     INTERPRET_BLOCK_SIZES,  # noqa: F401 (re-export)
-    KERNELS,
     BlockSizes,
     _bwd_impl,
     _fwd_impl,
@@ -245,19 +245,7 @@ def _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, r
 
 def _resolve_blocks(block_sizes, q, v) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
     dim = max(q.shape[2], v.shape[2])
-    if block_sizes is None:
-        return tuple(default_block_sizes(dim, kernel, q.dtype) for kernel in KERNELS)
-    if isinstance(block_sizes, BlockSizes):
-        return block_sizes, block_sizes, block_sizes
-    if isinstance(block_sizes, tuple) and all(isinstance(b, BlockSizes) for b in block_sizes):
-        if len(block_sizes) == 2:
-            return block_sizes[0], block_sizes[1], block_sizes[1]
-        if len(block_sizes) == 3:
-            return block_sizes
-    raise ValueError(
-        "block_sizes must be a BlockSizes, a (forward, backward) pair or a (forward, dk/dv, dq) "
-        f"triple of them, got {block_sizes!r}"
-    )
+    return resolve_tiles(block_sizes, BlockSizes, lambda k: default_block_sizes(dim, k, q.dtype))
 
 
 def hstu_attention(
