@@ -6,6 +6,8 @@ tokens, 2 tokens per event of a bounded Zipf(1.2) history of 16..2000 events, as
 (query, key) pairs the HSTU mask lets through, for FLOP counts.
 """
 
+import dataclasses
+
 import numpy as np
 
 CONTEXTUAL = 4
@@ -33,3 +35,30 @@ def mask_pairs(lengths, num_contextual: int = 0, num_candidates=None) -> int:
         ahead = int(np.maximum(hist - 1 - i, 0).sum())  # contextual queries see later history
         total += causal + ahead + k  # candidate keys: their own diagonal only
     return total
+
+
+def sweep_table(results: dict, passes, tag_header: str) -> str:
+    """The sweep's table and each kernel's best tile. ``results``: case name -> rows
+    (kernel, tiles: a BlockSizes dataclass, ms or nan, note), the same candidates in the same
+    order in every case;
+    best: the lowest sum over cases of time / that case's fastest time, among the tiles timed
+    in every case."""
+    names = list(results)
+    lines = [f"{'kernel':>6} {tag_header:>17} " + " ".join(f"{n:>26}" for n in names)]
+    for i, (kern, tiles, _, _) in enumerate(results[names[0]]):
+        cells = []
+        for n in names:
+            _, _, ms, note = results[n][i]
+            cells.append(f"{ms:8.3f} ms {note:>14}" if ms == ms else f"{note[:26]:>26}")
+        tag = ",".join(str(x) for x in dataclasses.astuple(tiles))
+        lines.append(f"{kern:>6} {tag:>17} " + " ".join(cells))
+    for kern in passes:
+        timed = {n: {t: ms for k, t, ms, _ in rows if k == kern and ms == ms}
+                 for n, rows in results.items()}  # fmt: skip
+        score: dict = {}
+        for times in timed.values():
+            for tiles, ms in times.items():
+                score[tiles] = score.get(tiles, 0.0) + ms / min(times.values())
+        full = [t for t in score if all(t in timed[n] for n in names)]
+        lines.append(f"best {kern}: {min(full, key=score.get, default=None)}")
+    return "\n".join(lines)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
+from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs, sweep_table
 from .bench import _median_time
 from .hstu_attention import KERNELS, BlockSizes, default_block_sizes, hstu_attention
 
@@ -75,7 +75,7 @@ def _programs(case, tiles):
 
 
 def _sweep_case(case, dim, heads, warmup, repeats, tol):
-    """Rows (kernel, BlockSizes, seconds, note): every candidate of one kernel, the others'
+    """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others'
     tiles at their defaults."""
     (q, k, v), g = case["qkv"], case["grad"]
     fwd_flops = 4.0 * case["pairs"] * heads * dim
@@ -105,7 +105,7 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol):
                 else:
                     sec = _median_time(fwd_bwd, (q, k, v, g), warmup, repeats)
                     flops = 3.5 * fwd_flops
-                rows.append((kern, bs, sec, f"{flops / sec / 1e12:.0f} TF/s"))
+                rows.append((kern, bs, 1e3 * sec, f"{flops / sec / 1e12:.0f} TF/s"))
             except Exception as exc:  # e.g. a tile that does not fit in shared memory
                 rows.append((kern, bs, float("nan"), type(exc).__name__))
     return rows
@@ -137,27 +137,9 @@ def main(argv=None) -> None:
             c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
             for c in cases
         }
-        names = list(results)
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
         print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq rows: forward + backward)")
-        print(f"{'kernel':>6} {'q,k,warps,stages':>17} " + " ".join(f"{n:>26}" for n in names))
-        for i, (pas, bs, _, _) in enumerate(results[names[0]]):
-            cells = []
-            for n in names:
-                _, _, sec, note = results[n][i]
-                cells.append(
-                    f"{1e3 * sec:8.3f} ms {note:>14}" if sec == sec else f"{note[:26]:>26}"
-                )
-            tag = f"{bs.block_q},{bs.block_k},{bs.num_warps},{bs.num_stages}"
-            print(f"{pas:>6} {tag:>17} " + " ".join(cells))
-        for pas in PASSES:  # the lowest sum over cases of time / the case's fastest time
-            score: dict = {}
-            timed = {n: {bs: s for p, bs, s, _ in results[n] if p == pas and s == s} for n in names}
-            for times in timed.values():
-                for bs, sec in times.items():
-                    score[bs] = score.get(bs, 0.0) + sec / min(times.values())
-            full = [bs for bs in score if all(bs in timed[n] for n in names)]
-            print(f"best {pas}: {min(full, key=score.get, default=None)}")
+        print(sweep_table(results, PASSES, "q,k,warps,stages"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import triton
 
-from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
+from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs, sweep_table
 from ._launch import BlockSizes, default_block_sizes
 from .bench import _time_ms
 from .hstu_attention import hstu_attention
@@ -131,28 +131,9 @@ def main(argv=None) -> None:
         ]  # fmt: skip
         results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
                    for c in cases}  # fmt: skip
-        names = list(results)
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
         print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq rows: backward time)")
-        print(f"{'kernel':>6} {'m,n,warps,stages':>17} " + " ".join(f"{n:>26}" for n in names))
-        for i, (pas, bs, _, _) in enumerate(results[names[0]]):
-            cells = []
-            for n in names:
-                _, _, ms, note = results[n][i]
-                cells.append(f"{ms:8.3f} ms {note:>14}" if ms == ms else f"{note[:26]:>26}")
-            tag = f"{bs.block_m},{bs.block_n},{bs.num_warps},{bs.num_stages}"
-            print(f"{pas:>6} {tag:>17} " + " ".join(cells))
-        for pas in PASSES:  # the lowest sum over cases of time / the case's fastest time
-            score = {}
-            for n in names:
-                times = {bs: ms for p, bs, ms, _ in results[n] if p == pas and ms == ms}
-                for bs, ms in times.items():
-                    score[bs] = score.get(bs, 0.0) + ms / min(times.values())
-            full = [bs for bs in score if all(
-                any(p == pas and b == bs and ms == ms for p, b, ms, _ in results[n]) for n in names
-            )]  # fmt: skip
-            best = min(full, key=score.get, default=None)
-            print(f"best {pas}: {best}")
+        print(sweep_table(results, PASSES, "m,n,warps,stages"))
         del cases
         torch.cuda.empty_cache()
 
