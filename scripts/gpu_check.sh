@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
-#                                               e2e sim simcheck profile graphs ab optim
+#                                               e2e sim simcheck profile graphs ab kab optim
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -68,6 +68,20 @@ print('torchrec', torchrec.__version__)" ;;
           run "ab_${side}_$round" python -m hstu.cli bench e2e --config bench_upstream \
             --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
             --out /tmp/ab_${side}_$round data.batch_size=${AB_BATCH:-32}
+        done
+      done
+      ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    kab)
+      # kernel A/B: scripts/attention_jagged.py (bench_upstream's jagged batches, back-to-back
+      # device time) on $AB_BEFORE/kernels and on kernels/, alternating, for $KAB_BACKENDS
+      for backend in ${KAB_BACKENDS:-torch jax}; do
+        for round in 1 2; do
+          for side in before after; do
+            dir=$PWD/kernels; [ $side = before ] && dir=$AB_BEFORE/kernels
+            ln -sfn "$dir" /tmp/hstu-path/hstu_kernels
+            run "kab_${backend}_${side}_$round" python scripts/attention_jagged.py \
+              --backend $backend ${KAB_ARGS:-}
+          done
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;

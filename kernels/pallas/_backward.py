@@ -21,9 +21,11 @@ from ._common import (
     _dot,
     _load,
     _load_block,
+    _program,
     _query_ranges,
     _Refs,
     _sample_meta,
+    _schedule_table,
     _scores,
     _silu_and_grad,
     _store,
@@ -35,10 +37,8 @@ from ._common import (
 def _dq_kernel(*refs, cfg: _Cfg):
     r = _Refs(refs, cfg, ("q", "k", "v", "do"), ("dq",))
     bq, bk = cfg.bq, cfg.bk
-    qb = cfg.nqb - 1 - pl.program_id(0)
-    b = pl.program_id(1)
-    h = pl.program_id(2)
-    start, n, c, hist = _sample_meta(r, b, cfg)
+    qb, b, valid, h = _program(r)
+    start, n, c, hist = _sample_meta(r, b, valid, cfg)
     qs = qb * bq
     i_pos, q_ok, (q, do), tq = _load_block(r, cfg, ("q", "do"), qs, bq, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
@@ -69,10 +69,8 @@ def _dkdv_kernel(*refs, cfg: _Cfg):
     )
     r = _Refs(refs, cfg, ("q", "k", "v", "do"), names_out)
     bq, bk = cfg.bq, cfg.bk
-    kb = pl.program_id(0)  # early key blocks are seen by the most queries: launch first
-    b = pl.program_id(1)
-    h = pl.program_id(2)
-    start, n, c, hist = _sample_meta(r, b, cfg)
+    kb, b, valid, h = _program(r)  # early key blocks are seen by the most queries
+    start, n, c, hist = _sample_meta(r, b, valid, cfg)
     ks = kb * bk
     j_pos, k_ok, (k, v), tk = _load_block(r, cfg, ("k", "v"), ks, bk, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
@@ -136,14 +134,16 @@ def _dkdv_kernel(*refs, cfg: _Cfg):
     dk = dk * jnp.float32(cfg.alpha)
     _store(r.dk.at[pl.ds(start + ks, bk), h, :], dk.astype(r.dk.dtype), mask=k_ok[:, None])
     _store(r.dv.at[pl.ds(start + ks, bk), h, :], dv.astype(r.dv.dtype), mask=k_ok[:, None])
+    # partials of an idle program (no work: its b, kb alias a real pair's) are not stored
     if cfg.time_size:
-        _store(r.dtime.at[b, h, kb, :], dtime)
+        _store(r.dtime.at[b, h, kb, :], dtime, mask=jnp.broadcast_to(valid, dtime.shape))
     if cfg.pos_size:
         # Tiles this program skipped get zero diagonal sums.
         zeros = jnp.zeros((cfg.upad,), jnp.float32)
+        keep = jnp.broadcast_to(valid, zeros.shape)
 
         def zero_body(qb, carry):
-            _store(r.dpos.at[b, h, kb, qb, :], zeros)
+            _store(r.dpos.at[b, h, kb, qb, :], zeros, mask=keep)
             return carry
 
         lax.fori_loop(end_a, lo_b, zero_body, 0)
@@ -196,16 +196,16 @@ def _backward(cfg: _Cfg, res, g):
     t_cap, heads, _ = q.shape
     bsz = offs.shape[0] - 1
     do = g.astype(q.dtype)
-    aux = _aux_inputs(cfg, offs, ctx, cand, ts, rab_pos, rab_time)
     tok = _token_mask(offs, t_cap)
     dq_cfg, kv = cfg.for_kernel("dq"), cfg.for_kernel("dkdv")  # each kernel's own tiles
 
+    num, sched = _schedule_table(dq_cfg, offs, t_cap, key_major=False)
     dq = _call(
         _dq_kernel,
         dq_cfg,
-        (dq_cfg.nqb, bsz, heads),
+        (num, heads),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        [*aux, q, k, v, do],
+        [*_aux_inputs(dq_cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time), q, k, v, do],
         "hstu_attention_bwd_dq",
     )
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -214,12 +214,13 @@ def _backward(cfg: _Cfg, res, g):
     if kv.pos_size:
         out_shape.append(jax.ShapeDtypeStruct((bsz, heads, kv.nkb, kv.nqb, kv.upad), jnp.float32))
         out_shape.append(jax.ShapeDtypeStruct((bsz * heads * kv.nkb, kv.bq, kv.bk), jnp.float32))
+    num, sched = _schedule_table(kv, offs, t_cap, key_major=True)
     outs = _call(
         _dkdv_kernel,
         kv,
-        (kv.nkb, bsz, heads),
+        (num, heads),
         out_shape,
-        [*aux, q, k, v, do],
+        [*_aux_inputs(kv, sched, offs, ctx, cand, ts, rab_pos, rab_time), q, k, v, do],
         "hstu_attention_bwd_dkdv",
     )
     dk, dv = outs[0], outs[1]
@@ -230,9 +231,14 @@ def _backward(cfg: _Cfg, res, g):
     d_time = None
     d_pos = None
     idx = 2
+    # key blocks past a sample's end ran no program: their partials were never written
+    nblk = (offs[1:] - offs[:-1] + kv.bk - 1) // kv.bk
+    ran = jnp.arange(kv.nkb, dtype=jnp.int32)[None, :] < nblk[:, None]  # [B, nkb]
     if kv.time_size:
-        d_time = jnp.sum(outs[idx], axis=(0, 2))[:, : kv.time_size].astype(rab_time.dtype)
+        part = jnp.where(ran[:, None, :, None], outs[idx], 0.0)
+        d_time = jnp.sum(part, axis=(0, 2))[:, : kv.time_size].astype(rab_time.dtype)
         idx += 1
     if kv.pos_size:
-        d_pos = _reduce_pos_partials(kv, outs[idx]).astype(rab_pos.dtype)
+        part = jnp.where(ran[:, None, :, None, None], outs[idx], 0.0)
+        d_pos = _reduce_pos_partials(kv, part).astype(rab_pos.dtype)
     return dq, dk, dv, d_pos, d_time, None, None, None, None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..schedule import pairs, schedule
 from ..tiles import KERNELS
 
 try:  # the Triton-specific Pallas API (load/store with masks, compiler params)
@@ -182,6 +183,7 @@ class _Refs:
 
     def __init__(self, refs, cfg: _Cfg, names_in, names_out):
         refs = list(refs)
+        self.sched = refs.pop(0)
         self.off = refs.pop(0)
         self.ctx = refs.pop(0) if cfg.has_ctx else None
         self.cand = refs.pop(0) if cfg.has_cand else None
@@ -202,10 +204,19 @@ def _cdiv(x, d: int):
     return lax.div(x + (d - 1), jnp.int32(d))
 
 
-def _sample_meta(r: _Refs, b, cfg: _Cfg):
-    """(start, n, C, end-of-history) of sample b, all int32 scalars."""
+def _program(r: _Refs):
+    """(block, sample, has work, head) of this program: its row of the schedule table
+    (``_schedule_table``) and the grid's head axis."""
+    j = pl.program_id(0)
+    num = r.sched.shape[0] // 3
+    return r.sched[j], r.sched[num + j], r.sched[2 * num + j] != 0, pl.program_id(1)
+
+
+def _sample_meta(r: _Refs, b, valid, cfg: _Cfg):
+    """(start, n, C, end-of-history) of sample b, all int32 scalars; n = 0 where the program
+    has no work."""
     start = r.off[b]
-    n = r.off[b + 1] - start
+    n = jnp.where(valid, r.off[b + 1] - start, 0)
     c = r.ctx[b] if cfg.has_ctx else jnp.int32(0)
     hist = jnp.clip(n - r.cand[b], 0, n) if cfg.has_cand else n
     return start, n, c, hist
@@ -341,8 +352,17 @@ def _apply_mask(mask, x):
 # --------------------------------------------------------------------------------------
 
 
-def _aux_inputs(cfg: _Cfg, offs, ctx, cand, ts, rab_pos, rab_time):
-    aux = [offs]
+def _schedule_table(cfg: _Cfg, offs, t_cap: int, key_major: bool):
+    """Grid size and schedule table (flat int32 ``[3 * G]``: blocks, samples, has-work) of the
+    kernel ``cfg`` is for: one program per (block, sample) pair holding tokens, heaviest first
+    (``kernels/schedule.py``)."""
+    block = cfg.bk if key_major else cfg.bq
+    num = pairs(t_cap, offs.shape[0] - 1, cfg.max_seqlen, block)
+    return num, jnp.concatenate(schedule(jnp, offs, cfg.max_seqlen, num, block, key_major))
+
+
+def _aux_inputs(cfg: _Cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time):
+    aux = [sched, offs]
     if cfg.has_ctx:
         aux.append(ctx)
     if cfg.has_cand:

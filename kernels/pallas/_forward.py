@@ -13,8 +13,10 @@ from ._common import (
     _Cfg,
     _dot,
     _load_block,
+    _program,
     _Refs,
     _sample_meta,
+    _schedule_table,
     _scores,
     _silu_and_grad,
     _store,
@@ -26,10 +28,8 @@ from ._common import (
 def _fwd_kernel(*refs, cfg: _Cfg):
     r = _Refs(refs, cfg, ("q", "k", "v"), ("o",))
     bq, bk = cfg.bq, cfg.bk
-    qb = cfg.nqb - 1 - pl.program_id(0)  # heavy (late) query blocks first
-    b = pl.program_id(1)
-    h = pl.program_id(2)
-    start, n, c, hist = _sample_meta(r, b, cfg)
+    qb, b, valid, h = _program(r)  # heavy (late) query blocks first
+    start, n, c, hist = _sample_meta(r, b, valid, cfg)
     qs = qb * bq
     i_pos, q_ok, (q,), tq = _load_block(r, cfg, ("q",), qs, bq, start, n, h)
     inv_n = jnp.float32(1.0 / cfg.normalizer)
@@ -50,12 +50,12 @@ def _fwd_kernel(*refs, cfg: _Cfg):
 
 def _forward(cfg: _Cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
     t_cap, heads, _ = q.shape
-    bsz = offs.shape[0] - 1
-    aux = _aux_inputs(cfg, offs, ctx, cand, ts, rab_pos, rab_time)
+    num, sched = _schedule_table(cfg, offs, t_cap, key_major=False)
+    aux = _aux_inputs(cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time)
     out = _call(
         _fwd_kernel,
         cfg,
-        (cfg.nqb, bsz, heads),
+        (num, heads),
         jax.ShapeDtypeStruct((t_cap, heads, v.shape[-1]), q.dtype),
         [*aux, q, k, v],
         "hstu_attention_fwd",

@@ -4,15 +4,20 @@ Contract: ``kernels/README.md`` (jagged ``[T, H, D]`` layout, causal + contextua
 candidate mask, optional relative position / time bias, SiLU attention divided by a fixed
 normalizer). Forward and backward are Pallas kernels tied together by ``jax.custom_vjp``:
 
-* forward, grid ``(query block, sample, head)``: one program owns ``block_q`` query rows
-  of one sample and head, loops over the key blocks the mask allows and accumulates
+* forward, grid ``(pair, head)``: one program owns ``block_q`` query rows of one sample
+  and head, loops over the key blocks the mask allows and accumulates
   ``silu(alpha * q k^T + bias) / N @ v`` in fp32;
 * ``dq`` kernel, same grid and loop as the forward;
-* ``dk``/``dv`` kernel, grid ``(key block, sample, head)``: loops over the query blocks
+* ``dk``/``dv`` kernel, grid ``(pair, head)`` over key blocks: loops over the query blocks
   that can see the key block; it also reduces ``dS`` (the gradient of the pre-SiLU score,
   which is the bias gradient) into per-program partial outputs for ``rab_time`` (bucket
   sums) and per-tile diagonal sums for ``rab_pos``; both are summed in jnp in a fixed
   order (no atomics, deterministic).
+
+A grid entry ``pair`` is one (block, sample) pair that holds tokens, read from a schedule
+table computed in jnp (``kernels/schedule.py``): heaviest blocks first, and no programs for
+the blocks past a sample's end (a ``(max_seqlen / block) x B`` grid is mostly those on
+jagged batches).
 
 The jagged layout is handled by passing ``seq_offsets`` (and the per-sample contextual /
 candidate counts) as input refs: every program reads its sample's start and length, and

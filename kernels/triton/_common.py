@@ -117,16 +117,84 @@ def _logits(
 
 
 @triton.jit
-def _sample_info(
-    pid, num_bh, H, num_blocks, SeqOffsets, NumCtx, NumCand,
-    HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr,
+def _sum1(x):
+    return tl.reduce(x, 0, _add)
+
+
+@triton.jit
+def _schedule(
+    pid, H, B, num_levels, num_halvings, SeqOffsets,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):  # fmt: skip
-    bh = pid % num_bh
-    blk = num_blocks - 1 - pid // num_bh  # heaviest (last) blocks first
-    b = bh // H
-    h = bh % H
+    """Program ``pid`` -> (block, sample b, head h), heaviest work first, over only the
+    (block, sample) pairs that hold tokens: at most ``H * (cdiv(T, BLOCK) + B)`` programs,
+    not ``H * cdiv(max_seqlen, BLOCK) * B`` mostly empty ones (``_schedule_kernel`` runs it
+    with ``H = 1`` to fill a launch's table).
+
+    A sample of ``nb = cdiv(n, BLOCK)`` blocks has one pair per level ``0 .. nb - 1``; the
+    work of level ``l`` grows with ``l`` (query block ``l`` sees ``l + 1`` key blocks; key
+    block ``nb - 1 - l`` is seen by ``l + 1`` query blocks, ``KEY_MAJOR``). Pairs are ordered
+    by level, highest first, then by sample; ``kernels/schedule.py`` is the reference.
+    Programs past the last pair get ``valid = 0`` (nothing to do)."""
+    h = pid % H
+    j = pid // H
+    offs = tl.arange(0, BLOCK_B)
+    in_b = offs < B
+    starts = tl.load(SeqOffsets + offs, mask=in_b, other=0)
+    lens = (tl.load(SeqOffsets + offs + 1, mask=in_b, other=0) - starts).to(tl.int32)
+    nblk = (lens + BLOCK - 1) // BLOCK
+    # the lowest level whose higher levels hold at most j pairs (bisection; that count falls
+    # as the level rises, and is 0 at the top level)
+    lo = 0
+    hi = num_levels - 1
+    for _ in range(num_halvings):
+        mid = (lo + hi) // 2
+        go_low = _sum1(tl.maximum(nblk - 1 - mid, 0)) <= j
+        hi = tl.where(go_low, mid, hi)
+        lo = tl.where(go_low, lo, mid + 1)
+    r = j - _sum1(tl.maximum(nblk - 1 - lo, 0))  # rank among the pairs of level lo
+    has = (nblk > lo).to(tl.int32)
+    valid = r < _sum1(has)
+    rank = tl.associative_scan(has, 0, _add)  # inclusive: the r-th pair's sample has rank r + 1
+    b = tl.where(valid, _sum1((rank <= r).to(tl.int32)), 0)
+    blk = lo
+    if KEY_MAJOR:
+        blk = tl.where(valid, _sum1(tl.where(offs == b, nblk, 0)) - 1 - lo, 0)
+    return blk, h, b, valid
+
+
+@triton.jit
+def _schedule_kernel(
+    Sched, SeqOffsets, B, num_levels, num_halvings, G,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, KEY_MAJOR: tl.constexpr,
+):  # fmt: skip
+    """The schedule table of a kernel launch: entry j's block, sample and has-work flag at
+    ``Sched[j]``, ``Sched[G + j]``, ``Sched[2 G + j]`` (one program per entry). Computed once
+    per launch, so the attention kernels spend no registers on it (their tiles at head dim
+    256 already fill the register file)."""
+    j = tl.program_id(0)
+    blk, _, b, valid = _schedule(
+        j, 1, B, num_levels, num_halvings, SeqOffsets, BLOCK, BLOCK_B, KEY_MAJOR
+    )
+    tl.store(Sched + j, blk)
+    tl.store(Sched + G + j, b)
+    tl.store(Sched + 2 * G + j, valid.to(tl.int32))
+
+
+@triton.jit
+def _sample_info(
+    pid, H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr
+):  # fmt: skip
+    """The program's block, head and sample (start, length n, contextual C, history end) from
+    the launch's schedule table; ``n = 0`` for a program with nothing to do."""
+    j = pid // H
+    h = pid % H
+    blk = tl.load(Sched + j)
+    b = tl.load(Sched + G + j)
     seq_start = tl.load(SeqOffsets + b)
-    n = (tl.load(SeqOffsets + b + 1) - seq_start).to(tl.int32)
+    n = tl.where(
+        tl.load(Sched + 2 * G + j) != 0, (tl.load(SeqOffsets + b + 1) - seq_start).to(tl.int32), 0
+    )
     C = 0
     if HAS_CTX:
         C = tl.load(NumCtx + b)

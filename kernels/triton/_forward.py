@@ -47,14 +47,14 @@ def _fwd_tile(
 def _hstu_fwd_kernel(
     Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_rp, stride_rt, num_bh, H, num_m_blocks, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), num_bh, H, num_m_blocks, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     m0 = m_blk * BLOCK_M
     if m0 < n:

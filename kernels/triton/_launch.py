@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..schedule import pairs
 from ..tiles import KERNELS
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
+from ._common import _schedule_kernel
 from ._forward import _hstu_fwd_kernel
 
 # ----------------------------------------------------------------------------------------------
@@ -126,6 +128,23 @@ def _common_meta(q, v, nc_, nk_, rp_, rt_, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
+def _schedule(so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool):
+    """Grid and schedule table of a launch over blocks of ``block`` rows: one program per head
+    and (block, sample) pair that can hold tokens, heaviest first (``kernels/schedule.py``).
+    Returns ``((programs,), table, G)``: the table (int32 ``[3 G]``) is filled on the device
+    by ``_schedule_kernel`` (one small launch; no host sync, so CUDA graphs capture it)."""
+    B = so.shape[0] - 1
+    num_levels = triton.cdiv(max_seqlen, block)
+    G = pairs(T, B, max_seqlen, block)
+    table = torch.empty(3 * G, device=so.device, dtype=torch.int32)
+    _schedule_kernel[(G,)](
+        table, so, B, num_levels, max(num_levels - 1, 0).bit_length(), G,
+        BLOCK=block, BLOCK_B=max(16, triton.next_power_of_2(B)), KEY_MAJOR=key_major,
+        num_warps=1,
+    )  # fmt: skip
+    return (G * H,), table, G
+
+
 def _pos_grad_mode(pos_grad: bool, num_buckets: int, max_seqlen: int) -> int:
     """dq kernel's rab_pos gradient: 0 none; 1 per-pair atomics (no pair distance is clamped
     into the last bucket); 2 the clamped last bucket summed per tile first."""
@@ -146,12 +165,13 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
     P = rp_.shape[1] if rp_ is not None else 1
     TB = rt_.shape[1] if rt_ is not None else 1
     with _device_ctx(q):
-        _hstu_fwd_kernel[(num_m * B * H,)](
+        grid, table, G = _schedule(so, T, H, max_seqlen, bs.block_m, key_major=False)
+        _hstu_fwd_kernel[grid](
             q, k, v, out, so, nc, nk, ts, rp, rt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-            B * H, H, num_m, P, TB, float(alpha), 1.0 / float(normalizer),
+            table, G, H, P, TB, float(alpha), 1.0 / float(normalizer),
             **_common_meta(q, v, nc_, nk_, rp_, rt_, bs),
         )  # fmt: skip
     return out
@@ -173,7 +193,6 @@ def _bwd_impl(
     drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
     B = seq_offsets.shape[0] - 1
     num_m = triton.cdiv(max_seqlen, dq_bs.block_m)
-    num_n = triton.cdiv(max_seqlen, dkdv_bs.block_n)
     if B > 0 and H > 0 and num_m > 0:
         so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
         P = rp_.shape[1] if rp_ is not None else 1
@@ -185,15 +204,17 @@ def _bwd_impl(
         )  # fmt: skip
         scalars = (P, TB, float(alpha), 1.0 / float(normalizer))
         with _device_ctx(q):
-            _hstu_bwd_dkdv_kernel[(num_n * B * H,)](
+            grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
+            _hstu_bwd_dkdv_kernel[grid](
                 q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
-                *strides, B * H, H, num_n, *scalars,
+                *strides, table, G, H, *scalars,
                 **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
             )  # fmt: skip
-            _hstu_bwd_dq_kernel[(num_m * B * H,)](
+            grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
+            _hstu_bwd_dq_kernel[grid](
                 q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
                 drp if pos_grad else so, drt if time_grad else so,
-                *strides, B * H, H, num_m, *scalars,
+                *strides, table, G, H, *scalars,
                 BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
                 POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
                 **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),

@@ -8,6 +8,7 @@ import importlib
 import os
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ if not _CUDA:
 
 pytest.importorskip("triton")
 
+from hstu_kernels.schedule import pairs, schedule  # noqa: E402
 from hstu_kernels.triton import (  # noqa: E402
     BlockSizes,
     hstu_attention,
@@ -360,6 +362,26 @@ def test_custom_op_registration_and_graph_capture(mode, monkeypatch):
     torch.testing.assert_close(op_out, ref)
     for g, rg in zip(op_grads, ref_grads):
         torch.testing.assert_close(g, rg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("key_major", [False, True], ids=["query_major", "key_major"])
+def test_kernel_schedule_matches_the_reference(mode, key_major):
+    """The schedule table the launch fills on the device equals kernels/schedule.py, with
+    empty samples, capacity padding and the grid's idle tail."""
+    dev = _device(mode)
+    rng = np.random.default_rng(7)
+    for batch, block, heads in [(5, 16, 2), (23, 32, 3), (1, 16, 1), (40, 64, 4)]:
+        lengths = rng.integers(0, 300, size=batch)
+        lengths[::4] = 0
+        max_seqlen = max(int(lengths.max()), 1) + 5
+        offs = np.concatenate([[0], np.cumsum(lengths)])
+        tokens = int(offs[-1]) + 3
+        so = torch.tensor(offs, device=dev)
+        grid, table, G = _launch._schedule(so, tokens, heads, max_seqlen, block, key_major)
+        assert grid == (G * heads,) and pairs(tokens, batch, max_seqlen, block) == G
+        want = np.concatenate(schedule(np, offs, max_seqlen, G, block, key_major))
+        np.testing.assert_array_equal(table.cpu().numpy(), want)
 
 
 @pytest.mark.gpu

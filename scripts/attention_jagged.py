@@ -1,0 +1,192 @@
+"""Device time of the HSTU attention kernels on the batches the end-to-end recipe feeds them.
+
+    python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
+
+Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
+contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and one of 8 x 4096
+equal lengths. Each cell is the median over rounds of one round's time divided by its
+``--calls`` calls: torch replays the calls captured in one CUDA graph (as the training step
+runs them), jax dispatches them back to back before one wait. Either way the host's launch
+work is not in the figure: it is what the kernels cost inside a training step. TFLOP/s count the
+pairs the mask lets through (forward 4 x pairs x heads x dim; forward + backward 3x that).
+The kernels are whichever ``hstu_kernels`` is importable: ``gpu_check.sh kab`` points it at
+two trees in turn to time them side by side.
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
+
+CONTEXTUAL = 4
+
+
+def cases(equal: tuple[int, int] = (8, 4096)):
+    """(name, lengths, candidates or None, contextual, max_seqlen)."""
+    out = []
+    for seed in range(3):
+        lengths, cand = bench_upstream_batch(np.random.default_rng(seed), 32)
+        out.append((f"upstream seed {seed}", lengths, cand, CONTEXTUAL, MAX_SEQLEN))
+    batch, seqlen = equal
+    out.append((f"{batch} x {seqlen}", np.full(batch, seqlen), None, 0, seqlen))
+    return out
+
+
+def _torch_timer(calls: int, rounds: int):
+    """Device ms per call: ``calls`` calls captured in one CUDA graph, replayed ``rounds``
+    times between events (no host launch work in the figure)."""
+    import torch
+
+    def timed(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        return statistics.median(times)
+
+    return timed
+
+
+def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False):
+    import torch
+    from hstu_kernels.triton import hstu_attention
+
+    dev = torch.device("cuda")
+    T = int(lengths.sum())
+    q, k, v, g = (torch.randn(T, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    offs = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), device=dev)
+    kw = dict(max_seqlen=max_seqlen, alpha=1.0 / dim**0.5, normalizer=float(max_seqlen))
+    if ctx:
+        kw["num_contextual"] = torch.full((len(lengths),), ctx, device=dev)
+    if cand is not None:
+        kw["num_candidates"] = torch.tensor(cand, device=dev)
+
+    def fwd():
+        with torch.no_grad():
+            hstu_attention(q, k, v, offs, **kw)
+
+    def fwd_bwd():
+        out = hstu_attention(q, k, v, offs, **kw)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    if profile:
+        _torch_profile(fwd_bwd)
+    return timed(fwd), timed(fwd_bwd)
+
+
+def _torch_profile(fn, calls: int = 5):
+    """Per-kernel device time of one call (torch.profiler, mean over ``calls``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]:
+        ms = ev.device_time_total / calls / 1e3
+        print(f"  {ev.key[:48]:>48} {ms:8.3f} ms x{ev.count // calls}")
+
+
+def _triton_resources():
+    """Registers, spills and shared memory of each compiled Triton attention kernel."""
+    from hstu_kernels.triton import _launch
+
+    for fn in (
+        _launch._hstu_fwd_kernel,
+        _launch._hstu_bwd_dkdv_kernel,
+        _launch._hstu_bwd_dq_kernel,
+    ):
+        for cache in getattr(fn, "device_caches", {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for k in kernels.values():
+                shared = getattr(k.metadata, "shared", "?")
+                print(
+                    f"  {fn.__name__}: {k.n_regs} registers, {k.n_spills} spills, {shared} B smem"
+                )
+
+
+def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds):
+    import jax
+    import jax.numpy as jnp
+    from hstu_kernels.pallas import hstu_attention
+
+    key = jax.random.split(jax.random.key(0), 4)
+    T = int(lengths.sum())
+    q, k, v, g = (jax.random.normal(kk, (T, heads, dim), jnp.bfloat16) for kk in key)
+    offs = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    kw = dict(max_seqlen=max_seqlen, alpha=1.0 / dim**0.5, normalizer=float(max_seqlen))
+    extra = {}
+    if ctx:
+        extra["num_contextual"] = jnp.full((len(lengths),), ctx, jnp.int32)
+    if cand is not None:
+        extra["num_candidates"] = jnp.asarray(cand, jnp.int32)
+
+    def attn(q, k, v):
+        return hstu_attention(q, k, v, offs, **kw, **extra)
+
+    fwd = jax.jit(attn)
+    fwd_bwd = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](g))
+
+    def timed(fn):
+        jax.block_until_ready(fn(q, k, v))
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            jax.block_until_ready([fn(q, k, v) for _ in range(calls)])
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
+        return statistics.median(times)
+
+    return timed(fwd), timed(fwd_bwd)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--backend", choices=["torch", "jax"], required=True)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=20, help="calls back to back per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="torch: kernels of one fwd+bwd")
+    args = ap.parse_args(argv)
+    print(f"# {args.backend}, bf16, heads {args.heads}, dim {args.dim}, "
+          f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
+    print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
+    timed = _torch_timer(args.calls, args.rounds) if args.backend == "torch" else None
+    for name, lengths, cand, ctx, max_seqlen in cases():
+        shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
+        if args.backend == "torch":
+            f_ms, fb_ms = _torch_case(*shape, timed, args.profile)
+        else:
+            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds)
+        flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
+        print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
+              f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip
+    if args.profile and args.backend == "torch":
+        _triton_resources()
+
+
+if __name__ == "__main__":
+    main()
