@@ -43,6 +43,31 @@ def median_time(
     return statistics.median(times)
 
 
+def donated_update(optimizer) -> Callable:
+    """`((params, opt_state)) -> ((params, opt_state), None)`: the optimizer's update on zero
+    gradients, jitted with its input donated (in place, as inside the train step), for
+    `time_chained`."""
+    from hstu.jax_backend.train_step import _zero_update
+
+    update = _zero_update(optimizer)
+    return jax.jit(lambda state: (update(*state), None), donate_argnums=(0,))
+
+
+def time_chained(fn: Callable, state, repeats: int) -> float:
+    """Median seconds of `fn(state) -> (state, aux)`, a program that donates its state as the
+    train step does: each call consumes the last one's output, on a copy of
+    `state`, which is left alone. Timing such a program without donation also allocates and
+    writes a second copy of the state every call: for bench_upstream's AdamW update on an
+    H200, 3.1 against 1.3 ms (146.5M parameters: 1.8 GB of params and moments)."""
+    held = [jax.tree.map(jax.numpy.copy, state)]
+
+    def run():
+        held[0], _ = fn(held[0])
+        return held  # waited for as it then stands: the latest state (earlier ones are donated)
+
+    return median_time(run, repeats)
+
+
 def shard_on(x: jax.Array, device) -> jax.Array:
     """The piece of `x` that lives on `device` (a rank's rows, or a replica)."""
     return next(s.data for s in x.addressable_shards if s.device == device)
@@ -120,7 +145,5 @@ class LocalTimer:
         return out
 
     def time_optimizer(self) -> float:
-        from hstu.jax_backend.train_step import _zero_update
-
-        update, s = jax.jit(_zero_update(self.optimizer)), self.state
-        return median_time(lambda: update(s.params, s.opt_state), self.repeats)
+        state = (self.state.params, self.state.opt_state)
+        return time_chained(donated_update(self.optimizer), state, self.repeats)

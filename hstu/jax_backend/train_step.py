@@ -240,10 +240,11 @@ class JaxBackend:
         JAX fuses the step into one program, so its parts are timed as programs of their own
         on the same arrays: each local rank's forward + backward alone on its device
         (`compute_s_before` / `_after`: the batch as loaded and as balanced) and, with
-        `phases`, the forward alone, the whole step (not donating the state) and the update
-        alone; `grad_reduce` is what the step takes beyond the slowest rank's forward +
-        backward and the update. Each program compiles once per shape."""
-        from hstu.jax_backend.timing import RankTimer, median_time
+        `phases`, the forward alone, the whole step and the update alone (both in place, state
+        donated as in training, on a copy of the state); `grad_reduce` is what the step takes
+        beyond the slowest rank's forward + backward and the update. Each program compiles
+        once per shape."""
+        from hstu.jax_backend.timing import RankTimer, donated_update, time_chained
 
         if self.model is None or self.optimizer is None:
             raise HSTUError("JaxBackend.probe needs the model and optimizer it was built with")
@@ -254,10 +255,8 @@ class JaxBackend:
             )
         if not self._timers:
             self._timers["rank"] = RankTimer(self.model)
-            self._timers["step"] = make_train_step(
-                self.model, self.optimizer, self.shuffler.mesh, donate=False
-            )
-            self._timers["update"] = jax.jit(_zero_update(self.optimizer))
+            self._timers["step"] = make_train_step(self.model, self.optimizer, self.shuffler.mesh)
+            self._timers["update"] = donated_update(self.optimizer)
         jax.block_until_ready(self.state)
         devices = list(self.shuffler.mesh.devices.flat)
         glt = float(prepared.stats[:, STAT_LOSS_TOKENS].sum())
@@ -279,13 +278,10 @@ class JaxBackend:
         out = {"compute_s_before": every[:, 0].tolist(), "compute_s_after": every[:, 1].tolist()}
         if phases:
             forward = per_rank(after_placed, forward_only=True)
-            step_s = median_time(
-                lambda: self._timers["step"](self.state, after_placed.batch, np.float32(glt)),
-                repeats,
-            )
-            update_s = median_time(
-                lambda: self._timers["update"](self.state.params, self.state.opt_state), repeats
-            )
+            step, glt32 = self._timers["step"], np.float32(glt)
+            step_s = time_chained(lambda s: step(s, after_placed.batch, glt32), self.state, repeats)
+            update = self._timers["update"]
+            update_s = time_chained(update, (self.state.params, self.state.opt_state), repeats)
             out["device_s"] = {
                 "forward": forward[0],
                 "backward": after[0] - forward[0],

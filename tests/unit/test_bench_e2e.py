@@ -139,6 +139,32 @@ def test_jax_median_time_is_per_call_with_calls_back_to_back():
     assert 0.01 <= sec < 0.02  # one call's time, not four
 
 
+def test_jax_chained_timing_donates_a_copy_and_leaves_the_state():
+    """The update is timed in place (inputs donated, each call fed the last one's output) on a
+    copy: the caller's params and optimizer state stay alive and unchanged."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from hstu.jax_backend.timing import donated_update, time_chained
+
+    opt = optax.adamw(0.1, weight_decay=0.5)
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    state = (params, opt.init(params))
+    update = donated_update(opt)
+    calls = []
+
+    def counted(s):
+        calls.append(1)
+        return update(s)
+
+    sec = time_chained(counted, state, repeats=2)
+    assert sec > 0 and len(calls) == 1 + 2 * 4  # warm-up, then 2 samples of 4 chained calls
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.arange(6.0).reshape(2, 3))
+    (new, _), _ = update(jax.tree.map(jnp.copy, state))  # AdamW decays weights on zero grads
+    assert not np.allclose(np.asarray(new["w"]), np.asarray(params["w"]))
+
+
 @pytest.mark.slow
 def test_e2e_bench_repeats_alternate_and_pool(tmp_path, capsys):
     """`--repeats 2`: rounds of identity then balanced, each run in its own folder; a row pools
