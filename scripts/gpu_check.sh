@@ -141,7 +141,7 @@ print('torchrec', torchrec.__version__)" ;;
       # the simulation against a real run on this one GPU (W=1, identity, the same batches):
       # the per-rank timer must price a step as the run does
       run simcheck_w1 python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
-        --backends $E2E_BACKENDS --shufflers identity --probe-every 0 --simulate-ranks 1 \
+        --backends $E2E_BACKENDS --shufflers identity --probe-every 15 --simulate-ranks 1 \
         --sim-batches 6 --out /tmp/simcheck_w1
       cp /tmp/simcheck_w1/e2e.json "$OUT/simcheck_w1.json" ;;
     sim)
