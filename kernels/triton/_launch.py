@@ -5,10 +5,11 @@ import contextlib
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
-from ..schedule import pairs
+from ..schedule import pairs, schedule
 from ..tiles import KERNELS
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
 from ._common import _schedule_kernel
@@ -128,14 +129,23 @@ def _common_meta(q, v, nc_, nk_, rp_, rt_, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
-def _schedule(so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool):
+def _schedule(
+    so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool,
+    on_device: bool | None = None,
+):  # fmt: skip
     """Grid and schedule table of a launch over blocks of ``block`` rows: one program per head
     and (block, sample) pair that can hold tokens, heaviest first (``kernels/schedule.py``).
-    Returns ``((programs,), table, G)``: the table (int32 ``[3 G]``) is filled on the device
-    by ``_schedule_kernel`` (one small launch; no host sync, so CUDA graphs capture it)."""
+    Returns ``((programs,), table, G)``. The table (int32 ``[3 G]``) is filled on the device by
+    ``_schedule_kernel`` (one small launch; no host sync, so CUDA graphs capture it); in the
+    interpreter (``on_device=None``) by the numpy reference instead, whose equality with the
+    kernel is tested: interpreting the kernel's programs one by one would double the time of
+    the CPU test suite's training runs."""
     B = so.shape[0] - 1
     num_levels = triton.cdiv(max_seqlen, block)
     G = pairs(T, B, max_seqlen, block)
+    if on_device is False or (on_device is None and is_interpret_mode()):
+        ref = schedule(np, so.cpu().numpy(), max_seqlen, G, block, key_major)
+        return (G * H,), torch.from_numpy(np.concatenate(ref)).to(so.device), G
     table = torch.empty(3 * G, device=so.device, dtype=torch.int32)
     _schedule_kernel[(G,)](
         table, so, B, num_levels, max(num_levels - 1, 0).bit_length(), G,

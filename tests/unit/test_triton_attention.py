@@ -367,8 +367,9 @@ def test_custom_op_registration_and_graph_capture(mode, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("key_major", [False, True], ids=["query_major", "key_major"])
 def test_kernel_schedule_matches_the_reference(mode, key_major):
-    """The schedule table the launch fills on the device equals kernels/schedule.py, with
-    empty samples, capacity padding and the grid's idle tail."""
+    """The schedule table the launch fills on the device (here also in the interpreter, where
+    the launches use the numpy reference itself) equals kernels/schedule.py, with empty
+    samples, capacity padding and the grid's idle tail."""
     dev = _device(mode)
     rng = np.random.default_rng(7)
     for batch, block, heads in [(5, 16, 2), (23, 32, 3), (1, 16, 1), (40, 64, 4)]:
@@ -378,7 +379,9 @@ def test_kernel_schedule_matches_the_reference(mode, key_major):
         offs = np.concatenate([[0], np.cumsum(lengths)])
         tokens = int(offs[-1]) + 3
         so = torch.tensor(offs, device=dev)
-        grid, table, G = _launch._schedule(so, tokens, heads, max_seqlen, block, key_major)
+        grid, table, G = _launch._schedule(
+            so, tokens, heads, max_seqlen, block, key_major, on_device=True
+        )
         assert grid == (G * heads,) and pairs(tokens, batch, max_seqlen, block) == G
         want = np.concatenate(schedule(np, offs, max_seqlen, G, block, key_major))
         np.testing.assert_array_equal(table.cpu().numpy(), want)
