@@ -123,21 +123,18 @@ def _sum1(x):
 
 @triton.jit
 def _schedule(
-    pid, H, B, num_levels, num_halvings, SeqOffsets,
+    j, B, num_levels, num_halvings, SeqOffsets,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):  # fmt: skip
-    """Program ``pid`` -> (block, sample b, head h), heaviest work first, over only the
-    (block, sample) pairs that hold tokens: at most ``H * (cdiv(T, BLOCK) + B)`` programs,
-    not ``H * cdiv(max_seqlen, BLOCK) * B`` mostly empty ones (``_schedule_kernel`` runs it
-    with ``H = 1`` to fill a launch's table).
+    """Schedule entry ``j`` -> (block, sample b, has work), heaviest work first, over only the
+    (block, sample) pairs that hold tokens: at most ``cdiv(T, BLOCK) + B`` entries per head,
+    not ``cdiv(max_seqlen, BLOCK) * B`` mostly empty ones.
 
     A sample of ``nb = cdiv(n, BLOCK)`` blocks has one pair per level ``0 .. nb - 1``; the
     work of level ``l`` grows with ``l`` (query block ``l`` sees ``l + 1`` key blocks; key
     block ``nb - 1 - l`` is seen by ``l + 1`` query blocks, ``KEY_MAJOR``). Pairs are ordered
     by level, highest first, then by sample; ``kernels/schedule.py`` is the reference.
-    Programs past the last pair get ``valid = 0`` (nothing to do)."""
-    h = pid % H
-    j = pid // H
+    Entries past the last pair get ``valid = 0`` (nothing to do)."""
     offs = tl.arange(0, BLOCK_B)
     in_b = offs < B
     starts = tl.load(SeqOffsets + offs, mask=in_b, other=0)
@@ -160,7 +157,7 @@ def _schedule(
     blk = lo
     if KEY_MAJOR:
         blk = tl.where(valid, _sum1(tl.where(offs == b, nblk, 0)) - 1 - lo, 0)
-    return blk, h, b, valid
+    return blk, b, valid
 
 
 @triton.jit
@@ -173,9 +170,7 @@ def _schedule_kernel(
     per launch, so the attention kernels spend no registers on it (their tiles at head dim
     256 already fill the register file)."""
     j = tl.program_id(0)
-    blk, _, b, valid = _schedule(
-        j, 1, B, num_levels, num_halvings, SeqOffsets, BLOCK, BLOCK_B, KEY_MAJOR
-    )
+    blk, b, valid = _schedule(j, B, num_levels, num_halvings, SeqOffsets, BLOCK, BLOCK_B, KEY_MAJOR)
     tl.store(Sched + j, blk)
     tl.store(Sched + G + j, b)
     tl.store(Sched + 2 * G + j, valid.to(tl.int32))
