@@ -13,9 +13,15 @@ instead run one program per head and per pair that holds tokens, heaviest first:
 
 The grid has ``pairs(T, B, max_seqlen, block)`` entries (at most ``cdiv(T, block) + B``, as a
 sample's last block may be partial); entries past the batch's real pairs have nothing to do.
-``schedule`` computes the map with the array module ``xp`` given (numpy here and in the tests,
-jax.numpy for the Pallas kernels, which read it as a table); the Triton kernels compute the
-same map in each program (``triton/_common.py``, ``_schedule``).
+``schedule`` computes the map with the array module ``xp`` given (numpy here, in the tests and
+for the Triton interpreter; jax.numpy for the Pallas kernels, which read it as a table); on
+CUDA the Triton launches fill the same table with a small kernel (``triton/_common.py``,
+``_schedule_kernel``). It builds ``[G, B]`` and ``[G, L]`` intermediates (``L`` =
+``cdiv(max_seqlen, block)``): under 1 MB at bench_upstream's 32 samples, over 100 MB at thousands
+of samples per batch, where a sorted search per entry would be the better formulation.
+
+Measured effect (kernels/README.md): forward + backward 10-17 % faster in Triton and 25-42 %
+in Pallas on bench_upstream batches, almost all of it in the backward.
 """
 
 
