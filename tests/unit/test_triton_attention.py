@@ -387,6 +387,25 @@ def test_kernel_schedule_matches_the_reference(mode, key_major):
         np.testing.assert_array_equal(table.cpu().numpy(), want)
 
 
+def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
+    """`python -m hstu_kernels.triton.resources` compiles the kernels for sm_90a on a machine
+    without that GPU (its own process: the kernels here may be interpreted) and reports
+    registers within the hardware's 255, spill bytes and shared memory for each kernel."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    cmd = [sys.executable, "-m", "hstu_kernels.triton.resources", "--dim", "64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[0] in _launch.KERNELS]
+    assert [(r[0], r[2]) for r in rows] == [(k, "(default)") for k in ("fwd", "dkdv", "dq")]
+    for r in rows:
+        regs, (stores, loads), smem = int(r[-3]), r[-2].split("/"), int(r[-1])
+        assert 0 < regs <= 255 and int(stores) >= 0 and int(loads) >= 0 and smem > 0, r
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
 @pytest.mark.parametrize("with_masks", [False, True], ids=["causal", "ctx_cand_rab"])

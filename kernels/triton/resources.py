@@ -1,0 +1,123 @@
+"""Registers, spills and shared memory of the Triton attention kernels, compiled for a GPU the
+machine need not have:
+
+    python -m hstu_kernels.triton.resources [--dim 256] [--arch 90] [--kernels fwd,dkdv,dq]
+        [--tiles 64,32,4,2 ...]
+
+Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate counts, no
+biases, fast sigmoid) with its default tiles and any ``--tiles`` given, and ptxas reports
+registers per thread and spill bytes for the PTX. At head dim 256 every kernel sits at the
+255-register limit and spills (kernels/README.md), so this is how a change to the tiles or to
+a kernel's code is judged on a CPU machine before it is timed on a GPU
+(``scripts/attention_jagged.py --profile`` reads the same from the kernels it loaded). Figures
+depend on the Triton and ptxas versions: compare variants within one install. Needs Triton
+kernels compiled, not interpreted (``TRITON_INTERPRET`` unset).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ..tiles import KERNELS
+from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
+from ._forward import _hstu_fwd_kernel
+from ._launch import BlockSizes, _block_d, default_block_sizes
+
+_FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel}
+# pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
+_POINTERS = {
+    **dict.fromkeys(("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ"), "*bf16"),
+    **dict.fromkeys(("SeqOffsets", "Ts", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"),
+    **dict.fromkeys(("NumCtx", "NumCand", "Sched"), "*i32"),
+}  # absent tables are passed as the int64 offsets, as the launches do
+_FLOATS = ("alpha", "inv_norm")
+
+
+def _ptxas_candidates() -> list[str]:
+    here = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = [os.environ.get("TRITON_PTXAS_PATH", "")]
+    names += [os.path.join(here, n) for n in ("ptxas-blackwell", "ptxas")]
+    return [n for n in names if n and os.path.exists(n)]
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from the first ptxas that takes it."""
+    errors = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        for ptxas in _ptxas_candidates():
+            cmd = [ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            regs = re.search(r"Used (\d+) registers", out.stderr)
+            if out.returncode == 0 and regs:
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+                stores, loads = (int(x) for x in spill.groups()) if spill else (0, 0)
+                return int(regs.group(1)), stores, loads
+            errors.append(f"{os.path.basename(ptxas)}: {out.stderr.strip()[-200:]}")
+    raise RuntimeError("no ptxas compiled the kernel: " + " | ".join(errors or ["none found"]))
+
+
+def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90) -> dict:
+    """Compile ``kernel`` for head dim ``dim`` with ``tiles`` for sm_``arch``: registers per
+    thread, spill store / load bytes per thread, shared memory bytes."""
+    fn = _FN[kernel]
+    consts = dict(
+        DQK=dim, DV=dim, BLOCK_DQK=_block_d(dim), BLOCK_DV=_block_d(dim),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
+        HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
+    )  # fmt: skip
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    signature = {
+        name: "constexpr" if name in consts
+        else _POINTERS.get(name, "fp32" if name in _FLOATS else "i32")
+        for name in fn.arg_names
+    }  # fmt: skip
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+    )
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+    )
+    regs, stores, loads = _ptxas_report(compiled.asm["ptx"], arch)
+    return dict(registers=regs, spill_stores=stores, spill_loads=loads,
+                shared=int(compiled.metadata.shared))  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument(
+        "--tiles", nargs="*", default=[], help="extra tiles: block_m,block_n,warps,stages"
+    )
+    args = ap.parse_args(argv)
+    extra = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles]
+    print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16")
+    head = ("kernel", "tiles (m, n, warps, stages)", "regs", "spill st/ld B", "smem B")
+    print("{:>6} {:>28} {:>5} {:>14} {:>8}".format(*head))
+    for kernel in args.kernels.split(","):
+        default = default_block_sizes(args.dim, kernel)
+        for tiles in [default, *(t for t in extra if t != default)]:
+            r = resources(kernel, args.dim, tiles, args.arch)
+            tag = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.num_warps,
+                                            tiles.num_stages))  # fmt: skip
+            tag += " (default)" if tiles == default else ""
+            print(f"{kernel:>6} {tag:>28} {r['registers']:>5} "
+                  f"{r['spill_stores']:>6}/{r['spill_loads']:<7} {r['shared']:>8}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
