@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs ab kab optim
 #                                               (bench_upstream, one GPU)
-#                                               multi e2e2 (>= 2 GPUs; not in the default)
+#                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
 #
 # The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
@@ -184,12 +184,33 @@ print('torchrec', torchrec.__version__)" ;;
         run "nccl_$(basename "$f" .py)" timeout ${NCCL_TEST_LIMIT:-180} python -m pytest -v -m gpu \
           "$f" -p no:cacheprovider --durations=0
       done
-      for backend in torch jax; do
+      [ "${MULTI_TRAIN:-1}" = 1 ] && for backend in torch jax; do
         for shuffler in identity balanced; do
           run "train_2gpu_${backend}_${shuffler}" timeout 200 python -m hstu.cli train \
             --backend $backend --config configs/gpu.yaml dist.world_size=2 train.steps=100 \
             balance.shuffler=$shuffler output_dir="$OUT/train_2gpu_${backend}_${shuffler}"
         done
+      done ;;
+    scale)
+      # embedding tables at scale (>= 2 GPUs), both backends, W=2, configs/gpu.yaml at width 128,
+      # identity (same batch lengths in every run; item ids drawn from each table's rows):
+      # row-wise sharded tables of 1M / 100M rows (step time: the update touches rows, not the
+      # table), a 200M x 128 fp32 table (102 GB: one GPU cannot hold it with its gradient), and
+      # peak memory per GPU replicated (AdamW on the dense table) against sharded at 10M rows
+      mkdir -p /tmp/scale
+      for backend in ${SCALE_BACKENDS:-torch jax}; do
+        for spec in ${SCALE_RUNS:-row_wise:1000000 row_wise:100000000 row_wise:200000000 \
+                    none:10000000 row_wise:10000000}; do
+          sharding=${spec%%:*}; rows=${spec##*:}; name="scale_${backend}_${sharding}_${rows}"
+          run "$name" timeout ${SCALE_LIMIT:-300} python -m hstu.cli bench e2e --config gpu \
+            --backends $backend --shufflers identity --steps 20 --probe-every 0 \
+            --out "/tmp/scale/$name" dist.world_size=2 model.embedding_dim=128 \
+            model.num_items=$rows embedding.sharding=$sharding
+        done
+      done
+      echo "== scale: step ms (median) and peak GiB per run"
+      for f in "$OUT"/scale_*.log; do
+        printf '%-40s %s\n' "$(basename "$f" .log)" "$(grep -E '^(torch|jax) +identity' "$f")"
       done ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac

@@ -107,6 +107,8 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
             for p in (*DEVICE_PHASES, "step")
         },
     }
+    mem = [r["max_memory_gib"] for r in rows if r.get("max_memory_gib") is not None]
+    out["max_memory_gib"] = max(mem) if mem else None  # peak device memory (None on CPU)
     mfu = [r["mfu"] for r in use if "mfu" in r]  # written where the device's peak is known
     out["mfu"] = _med(mfu) if mfu else None
     out["exposed_balancer_share"] = out["exposed_balancer_ms"] / out["step_ms"]
@@ -158,12 +160,13 @@ def format_table(results: dict) -> str:
     head = (
         f"{'backend':<7}{'shuffler':<10}{'exchange':<10}{'step ms':>9}{'p90':>7}{'tok/s':>10}"
         f"{'TF/s':>7}{'MFU':>6}{'imb FLOPs':>12}{'imb time':>13}{'bal ms':>8}{'exposed':>9}"
-        f"{'speedup':>9}{'pad':>6}{'progs':>6}"
+        f"{'speedup':>9}{'pad':>6}{'progs':>6}{'mem GiB':>8}"
     )
     lines = [head, "-" * len(head)]
     for key, r in results.items():
         b, s, x = key.split("/")
         mfu = f"{100 * r['mfu']:.1f}" if r.get("mfu") is not None else "-"
+        mem = f"{r['max_memory_gib']:.1f}" if r.get("max_memory_gib") is not None else "-"
         lines.append(
             f"{b:<7}{s:<10}{x:<10}{r['step_ms']:>9.2f}{r['step_p90_ms']:>7.1f}"
             f"{r['tokens_per_s']:>10,.0f}{r['tflops_per_device']:>7.1f}{mfu:>6}"
@@ -171,6 +174,7 @@ def format_table(results: dict) -> str:
             f"{r['imbalance_time_before']:>7.2f}>{r['imbalance_time_after']:<5.2f}"
             f"{r['balancer_ms']:>8.2f}{100 * r['exposed_balancer_share']:>8.1f}%"
             f"{r['speedup']:>8.3f}x{100 * r['padding_waste']:>5.0f}%{r['num_compiles']:>6}"
+            f"{mem:>8}"
         )
     return "\n".join(lines)
 

@@ -26,6 +26,7 @@ RUN_FIELDS = {
     "tokens_per_s",
     "tflops_per_device",
     "mfu",
+    "max_memory_gib",
     "imbalance_flops_before",
     "imbalance_flops_after",
     "imbalance_time_before",
@@ -70,7 +71,7 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
         assert set(r) == RUN_FIELDS, (key, set(r) ^ RUN_FIELDS)
         assert r["step_ms_runs"] == [pytest.approx(r["step_ms"])]  # one run: its own median
         assert r["speedup_runs"] == [pytest.approx(r["speedup"])]
-        assert r["mfu"] is None  # no known peak on a CPU
+        assert r["mfu"] is None and r["max_memory_gib"] is None  # no peak, no device memory
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["steps_timed"] >= 3
         # the host phases are the step as the host sees it: they account for it exactly
         assert set(r["host_ms"]) == set(HOST_PHASES)
