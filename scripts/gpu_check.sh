@@ -178,11 +178,13 @@ print('torchrec', torchrec.__version__)" ;;
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
       # shuffler against identity on the Zipf recipe, both backends, 2 ranks
       # one file per run, each under its own limit, verbose: a slow or hung test names itself
-      for f in tests/multirank/test_torch_exchange.py tests/multirank/test_torch_train.py \
+      # (a test still running after NCCL_TEST_LIMIT - 30 s dumps its stacks: faulthandler)
+      limit=${NCCL_TEST_LIMIT:-180}
+      for f in ${MULTI_TESTS:-tests/multirank/test_torch_exchange.py tests/multirank/test_torch_train.py \
                tests/multirank/test_robustness_failures.py tests/multirank/test_robustness_layout.py \
-               tests/multirank/test_sharded_torch.py; do
-        run "nccl_$(basename "$f" .py)" timeout ${NCCL_TEST_LIMIT:-180} python -m pytest -v -m gpu \
-          "$f" -p no:cacheprovider --durations=0
+               tests/multirank/test_sharded_torch.py}; do
+        run "nccl_$(basename "$f" .py)" timeout $limit python -m pytest -v -s -m gpu \
+          "$f" -p no:cacheprovider --durations=0 -o faulthandler_timeout=$((limit - 30))
       done
       [ "${MULTI_TRAIN:-1}" = 1 ] && for backend in torch jax; do
         for shuffler in identity balanced; do
@@ -206,6 +208,7 @@ print('torchrec', torchrec.__version__)" ;;
             --backends $backend --shufflers identity --steps 20 --probe-every 0 \
             --out "/tmp/scale/$name" dist.world_size=2 model.embedding_dim=128 \
             model.num_items=$rows embedding.sharding=$sharding
+          [ "$status" = ok ] || find "/tmp/scale/$name" -name log.txt -exec tail -n 40 {} \;
         done
       done
       echo "== scale: step ms (median) and peak GiB per run"

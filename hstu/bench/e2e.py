@@ -43,6 +43,7 @@ import numpy as np
 
 from hstu.config import load_config
 from hstu.errors import HSTUError
+from hstu.launch_checks import die_with_parent
 from hstu.metrics import read_rows, timed_rows
 from hstu.pipeline import HOST_PHASES, imbalance_of
 
@@ -139,7 +140,10 @@ def _train(args, backend, shuffler, exchange, out_dir: Path) -> list[dict]:
     cmd += ["--config", args.config, *overrides]
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+        # the run dies with this process (a `timeout` around the bench leaves no orphan on the GPU)
+        proc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, check=False, preexec_fn=die_with_parent
+        )
     if proc.returncode != 0:
         tail = (out_dir / "log.txt").read_text()[-3000:]
         raise HSTUError(f"{backend} {shuffler} {exchange} failed ({proc.returncode}):\n{tail}")
@@ -150,7 +154,9 @@ def _simulate(args, backend: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "hstu.bench.simulate", "--backend", backend]
     cmd += ["--config", args.config, "--world", str(args.simulate_ranks)]
     cmd += ["--batches", str(args.sim_batches), "--out", str(out), *args.overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, preexec_fn=die_with_parent
+    )
     if proc.returncode != 0:
         raise HSTUError(f"simulation ({backend}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())

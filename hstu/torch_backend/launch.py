@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import shutil
 import signal
@@ -47,6 +48,8 @@ from hstu.launch_checks import (
 from hstu.torch_backend.graphs import check_cuda_graphs
 from hstu.torch_backend.sharding import check_sharding
 from hstu.torch_backend.train_step import run_rank
+
+log = logging.getLogger(__name__)
 
 
 def _torchrun_env() -> tuple[int, int, int] | None:
@@ -111,13 +114,31 @@ def _init_and_run(
         timeout=datetime.timedelta(seconds=cfg.dist.timeout_s),
         **kwargs,
     )
+    finished = False
     try:
         if compare_configs:
             _check_same_config(cfg, rank, world_size)
         source = CheckedSource(source if source is not None else source_from_config(cfg))
-        return run_rank(cfg, rank, world_size, device, source=source)
+        rows = run_rank(cfg, rank, world_size, device, source=source)
+        finished = True
+        return rows
     finally:
-        dist.destroy_process_group()
+        if finished or device.type != "cuda":
+            dist.destroy_process_group()
+        else:
+            _abort_communicators()
+
+
+def _abort_communicators() -> None:
+    """A failing rank leaves its NCCL communicators without waiting for its peers: NCCL's
+    orderly destroy can block on collectives the others never join, and then the rank never
+    exits, so the launcher cannot stop the rest (they wait in a collective until the timeout)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._abort_process_group()  # every group, the default one included
+    except Exception as exc:  # noqa: BLE001 - the rank is failing already: keep its own error
+        log.warning("aborting the NCCL communicators failed: %s", exc)
 
 
 def _spawned(

@@ -105,7 +105,10 @@ def _one_step_worker(
                 if sharding == "none" and shuffler == "balanced":
                     continue
                 cfg = _cfg(
-                    task, sharding, f"embedding.optimizer={optimizer}", f"dist.device={device}"
+                    task,
+                    sharding,
+                    f"embedding.optimizer={optimizer}",
+                    f"dist.device={device.split(':')[0]}",  # the config names the kind only
                 )
                 batches = make_global_batch(cfg, cfg.data.batch_size, (4, 2))
                 log: list = []
