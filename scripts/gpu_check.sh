@@ -205,10 +205,11 @@ print('torchrec', torchrec.__version__)" ;;
                     none:10000000 row_wise:10000000}; do
           sharding=${spec%%:*}; rows=${spec##*:}; name="scale_${backend}_${sharding}_${rows}"
           run "$name" timeout ${SCALE_LIMIT:-300} python -m hstu.cli bench e2e --config gpu \
-            --backends $backend --shufflers identity --steps 20 --probe-every 0 \
+            --backends $backend --shufflers identity --steps ${SCALE_STEPS:-20} --probe-every 0 \
             --out "/tmp/scale/$name" dist.world_size=2 model.embedding_dim=128 \
             model.num_items=$rows embedding.sharding=$sharding
           [ "$status" = ok ] || find "/tmp/scale/$name" -name log.txt -exec tail -n 40 {} \;
+          cp "/tmp/scale/$name/e2e.json" "$OUT/$name.json" 2>/dev/null
         done
       done
       echo "== scale: step ms (median) and peak GiB per run"
