@@ -159,8 +159,13 @@ class FusedTables:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
+                # the GPU's own memory: TorchRec's default is 32 GB, under which a 51 GB shard
+                # of a 200M x 128 table was planned into host memory (UVM caching)
+                hbm = {}
+                if device.type == "cuda":
+                    hbm["hbm_cap"] = torch.cuda.get_device_properties(device).total_memory
                 topology = Topology(
-                    world_size=world_size, compute_device=device.type, local_world_size=local
+                    world_size=world_size, compute_device=device.type, local_world_size=local, **hbm
                 )
                 planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
                 self.plan = planner.collective_plan(model, [sharder], self.group)
@@ -186,6 +191,12 @@ class FusedTables:
     def sharding_types(self) -> dict[str, str]:
         plan = self.plan.get_plan_for_module("embedding") or {}
         return {t: plan[t].sharding_type for t in TABLES if t in plan}
+
+    def compute_kernels(self) -> dict[str, str]:
+        """Where the planner put each table: `fused` (GPU memory), `fused_uvm_caching` (host
+        memory behind a GPU cache), ..."""
+        plan = self.plan.get_plan_for_module("embedding") or {}
+        return {t: plan[t].compute_kernel for t in TABLES if t in plan}
 
     @torch.no_grad()
     def _init_shards(self, model_cfg, seed: int) -> None:
@@ -219,7 +230,9 @@ class FusedTables:
         model_state = self.model.embedding.state_dict(prefix="embedding.")
         weights = {n: t for n, t in model_state.items() if n.endswith(".weight")}
         states = self.dmp.fused_optimizer.state_dict()["state"]
-        names = {"momentum1": "m", "momentum2": "v"}
+        # TorchRec names a table's first state `momentum1` and the others by the TBE's own
+        # keys (fbgemm Adam: `exp_avg_sq`; `momentum2` in the TBE's buffers)
+        names = {"momentum1": "m", "exp_avg_sq": "v", "momentum2": "v"}
         if self.cfg.optimizer == "row_wise_adagrad":
             names = {"momentum1": "sum"}
         opt = {}
@@ -227,9 +240,15 @@ class FusedTables:
             # (a rank that holds no shard of a table has no optimizer state for it)
             per_table = states.get(f"embedding.embeddings.{t}.weight", {})
             for key, ours in names.items():
-                if f"{t}.{key}" not in per_table:
-                    continue
-                opt[f"embedding.{t}.{ours}"] = per_table[f"{t}.{key}"]
+                if f"{t}.{key}" in per_table:
+                    opt[f"embedding.{t}.{ours}"] = per_table[f"{t}.{key}"]
+            found = {k for k in opt if k.startswith(f"embedding.{t}.")}
+            if per_table and len(found) != len(set(names.values())):
+                raise HSTUError(
+                    f"embedding.{t}: the fused optimizer's state is {sorted(per_table)}; "
+                    f"expected {sorted(set(names.values()))} of {self.cfg.optimizer} (a TorchRec "
+                    "version that names them otherwise: checkpoints would lose state)"
+                )
         return weights, opt
 
     def after_load(self, count: int) -> None:

@@ -59,6 +59,11 @@ class TorchBackend(TorchShuffler):
         self.model.load_params(init_params(cfg.model, cfg.train.seed, not fused), not fused)
         # embedding.sharding != none: the tables leave AdamW (sharding.py)
         self.tables = shard_tables(self.model, cfg, world_size, self.device, group)
+        if self.is_main and getattr(self.tables, "kind", "") == "fused":
+            # TorchRec's planner chose these (jax always holds its row shards in device memory)
+            plan = self.tables.sharding_types()
+            kernels = self.tables.compute_kernels()
+            print("embedding plan: " + ", ".join(f"{t} {plan[t]}/{kernels[t]}" for t in plan))
         if self.tables is None:
             self.params = list(self.model.parameters())  # fixed order: the bucket layout
             self.optimizer = make_optimizer(self.params, cfg.train)

@@ -146,6 +146,9 @@ def _one_step_worker(
                     "plan": backend.tables.sharding_types()
                     if getattr(backend.tables, "kind", "") == "fused"
                     else {},
+                    "kernels": backend.tables.compute_kernels()
+                    if getattr(backend.tables, "kind", "") == "fused"
+                    else {},
                     "moved": prepared.plan.num_moved(),
                 }
     return out
@@ -175,6 +178,9 @@ def test_adam_on_nccl_matches_the_reference_update():
     shardings = ("table_wise", "row_wise")
     results = run_on_ranks(_one_step_worker, world, "adam", shardings, device="cuda")
     _check_reference_update(results, "adam", shardings)
+    for key, r in results[0].items():  # the tables in GPU memory (planned against its size)
+        if r["kernels"]:
+            assert set(r["kernels"].values()) == {"fused"}, (key, r["kernels"])
 
 
 def _check_reference_update(one_step, optimizer: str, shardings) -> None:
