@@ -139,6 +139,8 @@ def _bench(args: argparse.Namespace) -> int:
         from hstu.bench.e2e import main as bench_main
     elif args.what == "attention":
         from hstu.bench.attention import main as bench_main
+    elif args.what == "tables":
+        from hstu.bench.tables import main as bench_main
     else:  # pragma: no cover - argparse restricts the choices
         raise HSTUError(f"unknown benchmark {args.what!r}")
     return bench_main(args.rest)
@@ -279,9 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks (balance: partitioner quality and time; e2e: training end to end; "
-        "attention: the kernel over a grid of shapes)",
+        "attention: the kernel over a grid of shapes; tables: step time and memory against "
+        "embedding table rows)",
     )
-    bench.add_argument("what", choices=["balance", "e2e", "attention"])
+    bench.add_argument("what", choices=["balance", "e2e", "attention", "tables"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
     bench.set_defaults(func=_bench)
     return parser

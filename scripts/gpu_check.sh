@@ -194,28 +194,20 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done ;;
     scale)
-      # embedding tables at scale (>= 2 GPUs), both backends, W=2, configs/gpu.yaml at width 128,
-      # identity (same batch lengths in every run; item ids drawn from each table's rows):
-      # row-wise sharded tables of 1M / 100M rows (step time: the update touches rows, not the
-      # table), a 200M x 128 fp32 table (102 GB: one GPU cannot hold it with its gradient), and
-      # peak memory per GPU replicated (AdamW on the dense table) against sharded at 10M rows
-      mkdir -p /tmp/scale
-      for backend in ${SCALE_BACKENDS:-torch jax}; do
-        for spec in ${SCALE_RUNS:-row_wise:1000000 row_wise:100000000 row_wise:200000000 \
-                    none:10000000 row_wise:10000000}; do
-          sharding=${spec%%:*}; rows=${spec##*:}; name="scale_${backend}_${sharding}_${rows}"
-          run "$name" timeout ${SCALE_LIMIT:-300} python -m hstu.cli bench e2e --config gpu \
-            --backends $backend --shufflers identity --steps ${SCALE_STEPS:-20} --probe-every 0 \
-            --out "/tmp/scale/$name" dist.world_size=2 model.embedding_dim=128 \
-            model.num_items=$rows embedding.sharding=$sharding
-          [ "$status" = ok ] || find "/tmp/scale/$name" -name log.txt -exec tail -n 40 {} \;
-          cp "/tmp/scale/$name/e2e.json" "$OUT/$name.json" 2>/dev/null
-        done
-      done
-      echo "== scale: step ms (median) and peak GiB per run"
-      for f in "$OUT"/scale_*.log; do
-        printf '%-40s %s\n' "$(basename "$f" .log)" "$(grep -E '^(torch|jax) +identity' "$f")"
-      done ;;
+      # embedding tables at scale (>= 2 GPUs): `hstu bench tables`, W=2, configs/gpu.yaml at width
+      # 128, identity, same batch lengths in every run: step time with row-wise sharded tables of
+      # each of SCALE_ROWS rows in alternating rounds (the update touches rows, not the table),
+      # and peak memory replicated (AdamW on the dense table) at SCALE_REPLICATED rows (0: none).
+      # 200M x 128 fp32 is 102 GB: one GPU cannot hold it with its gradient. SCALE_OVERRIDES adds
+      # settings (data.batch_size=128: a step the device, not the host, bounds)
+      run "scale_${SCALE_BACKENDS:-torch,jax}" timeout ${SCALE_LIMIT:-590} python -m hstu.cli \
+        bench tables --config gpu --backends ${SCALE_BACKENDS:-torch,jax} \
+        --rows ${SCALE_ROWS:-1000000,100000000,200000000} --replicated ${SCALE_REPLICATED:-10000000} \
+        --repeats ${SCALE_REPEATS:-2} --steps ${SCALE_STEPS:-30} --out /tmp/scale \
+        dist.world_size=2 model.embedding_dim=128 ${SCALE_OVERRIDES:-}
+      # a failed run: the end of the newest run's log
+      [ "$status" = ok ] || tail -n 40 "$(ls -t $(find /tmp/scale -name log.txt) | head -1)"
+      cp /tmp/scale/tables.json "$OUT/" 2>/dev/null ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done
