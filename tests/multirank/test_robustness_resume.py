@@ -118,6 +118,7 @@ def test_torch_rank_killed_then_resumed_on_2_ranks(tmp_path):
     _check_resumed(resumed, logs, step, kept, roots)
 
 
+@pytest.mark.slow  # ~19 s on 2 cores; CI runs the slow tier after `make test`
 def test_jax_process_killed_then_resumed_on_2_and_8_devices(tmp_path):
     pytest.importorskip("jax")
     import robustness_workers as rw

@@ -53,6 +53,7 @@ def _check(results: dict, mode: str) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow  # ~25 s interpreted on 2 cores; CI runs the slow tier after `make test`
 def test_triton_pallas_and_references_agree_interpret():
     env = jax_test_env() | {"TRITON_INTERPRET": "1"}
     _check(run_subprocess_worker("kernels", env, mode="interpret"), "interpret")
