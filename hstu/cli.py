@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hstu.launch_checks import die_with_env_parent
+
+    die_with_env_parent()  # a benchmark's run: ends with the benchmark
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling a positional list at the first option, so overrides given after

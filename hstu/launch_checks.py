@@ -138,6 +138,24 @@ def die_with_parent(expected_parent: int | None = None) -> None:
         os._exit(1)
 
 
+# A child process started by a benchmark (`hstu bench e2e` / `tables`) finds its parent's pid
+# here and dies with it (set in the child itself: code run between fork and exec, such as a
+# subprocess `preexec_fn`, can deadlock in a multithreaded parent).
+PARENT_PID_ENV = "HSTU_DIE_WITH_PARENT"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child that must die with this process (`die_with_env_parent`)."""
+    return {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_env_parent() -> None:
+    """`die_with_parent` of the pid in `HSTU_DIE_WITH_PARENT`, when it is set."""
+    pid = os.environ.pop(PARENT_PID_ENV, "")
+    if pid.isdigit():
+        die_with_parent(int(pid))
+
+
 # ------------------------------------------------------------------------------ configs
 def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     out = {}

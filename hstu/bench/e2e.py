@@ -43,7 +43,7 @@ import numpy as np
 
 from hstu.config import load_config
 from hstu.errors import HSTUError
-from hstu.launch_checks import die_with_parent
+from hstu.launch_checks import child_env
 from hstu.metrics import read_rows, timed_rows
 from hstu.pipeline import HOST_PHASES, imbalance_of
 
@@ -142,7 +142,7 @@ def _train(args, backend, shuffler, exchange, out_dir: Path) -> list[dict]:
     with open(out_dir / "log.txt", "w") as log:
         # the run dies with this process (a `timeout` around the bench leaves no orphan on the GPU)
         proc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, check=False, preexec_fn=die_with_parent
+            cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=child_env()
         )
     if proc.returncode != 0:
         tail = (out_dir / "log.txt").read_text()[-3000:]
@@ -154,9 +154,7 @@ def _simulate(args, backend: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "hstu.bench.simulate", "--backend", backend]
     cmd += ["--config", args.config, "--world", str(args.simulate_ranks)]
     cmd += ["--batches", str(args.sim_batches), "--out", str(out), *args.overrides]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, check=False, preexec_fn=die_with_parent
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
     if proc.returncode != 0:
         raise HSTUError(f"simulation ({backend}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())

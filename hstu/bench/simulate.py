@@ -157,4 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from hstu.launch_checks import die_with_env_parent
+
+    die_with_env_parent()  # started by `hstu bench e2e`: ends with it
     sys.exit(main())
