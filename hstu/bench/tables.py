@@ -24,6 +24,7 @@ import json
 import time
 from pathlib import Path
 
+from hstu.backends import names as backend_names
 from hstu.bench.e2e import _train, summarize_run
 from hstu.config import load_config
 from hstu.errors import HSTUError
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sharding == "none":
         raise HSTUError("hstu bench tables: --sharding names a sharded layout (see --replicated)")
     backends = args.backends.split(",")
+    unknown = sorted(set(backends) - set(backend_names()))
+    if unknown:
+        raise HSTUError(f"hstu bench tables: unknown backend(s) {unknown}; choose from "
+                        f"{backend_names()}")  # fmt: skip
     plan = plan_runs(backends, rows, args.sharding, args.replicated)
 
     def overrides(sharding: str, num_rows: int) -> list[str]:

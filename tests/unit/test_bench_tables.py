@@ -40,6 +40,7 @@ def test_table_bytes_per_device_follow_the_sharding():
         (["--rows", "0"], "must be positive"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--sharding", "none"], "names a sharded layout"),
+        (["--backends", "torch,tf"], "unknown backend(s) ['tf']"),
         (["model.num_layers=oops"], "num_layers"),
     ],
 )
