@@ -22,6 +22,13 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def check_names(requested: list[str], who: str) -> None:
+    """An error naming the unknown ones, before anything runs (benchmarks' `--backends`)."""
+    unknown = sorted(set(requested) - set(_REGISTRY))
+    if unknown:
+        raise HSTUError(f"{who}: unknown backend(s) {unknown}; choose from {names()}")
+
+
 def available(name: str) -> tuple[bool, str]:
     """(True, "") when the backend imports; else (False, why)."""
     if name not in _REGISTRY:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hstu.backends import names as backend_names
+from hstu.backends import check_names as check_backend_names
 from hstu.config import load_config
 from hstu.errors import HSTUError
 from hstu.launch_checks import child_env
@@ -274,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         raise HSTUError(f"hstu bench e2e: --repeats must be >= 1, got {args.repeats}")
     backends = args.backends.split(",")
-    unknown = sorted(set(backends) - set(backend_names()))
-    if unknown:
-        raise HSTUError(f"hstu bench e2e: unknown backend(s) {unknown}; choose from "
-                        f"{backend_names()}")  # fmt: skip
+    check_backend_names(backends, "hstu bench e2e")
     out = Path(args.out or Path(cfg.output_dir) / "bench_e2e")
     out.mkdir(parents=True, exist_ok=True)
     names = (

@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from hstu.backends import names as backend_names
+from hstu.backends import check_names as check_backend_names
 from hstu.bench.e2e import _train, summarize_run
 from hstu.config import load_config
 from hstu.errors import HSTUError
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sharding == "none":
         raise HSTUError("hstu bench tables: --sharding names a sharded layout (see --replicated)")
     backends = args.backends.split(",")
-    unknown = sorted(set(backends) - set(backend_names()))
-    if unknown:
-        raise HSTUError(f"hstu bench tables: unknown backend(s) {unknown}; choose from "
-                        f"{backend_names()}")  # fmt: skip
+    check_backend_names(backends, "hstu bench tables")
     plan = plan_runs(backends, rows, args.sharding, args.replicated)
 
     def overrides(sharding: str, num_rows: int) -> list[str]:
@@ -143,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for r in results:
         if r["sharding"] == args.sharding:
-            base = next(x for x in results if x["backend"] == r["backend"] and x["rows"] == rows[0])
+            base = next(
+                x for x in results if x["backend"] == r["backend"] and x["rows"] == min(rows)
+            )
             r["vs_smallest"] = r["step_ms"] / base["step_ms"]
     print(f"\nhstu bench tables: {args.config} {' '.join(args.overrides)}, W={world}")
     print(format_table(results))
