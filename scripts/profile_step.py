@@ -122,14 +122,12 @@ def main(argv=None):
 
 
 def _train_torch(cfg, hook):
-    """One in-process rank, with `hook` on every step's metrics."""
+    """One in-process rank, set up as `hstu train` sets it up (graphs included), with `hook` on
+    every step's metrics."""
     import torch
     import torch.distributed as dist
 
-    from hstu import trainer
-    from hstu.data import source_from_config
-    from hstu.torch_backend.checkpoint import TrainCheckpointer
-    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.torch_backend.train_step import run_rank
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -137,9 +135,7 @@ def _train_torch(cfg, hook):
         "nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1, device_id=device
     )
     try:
-        backend = TorchBackend(cfg, 0, 1, device)
-        ckpt = TrainCheckpointer(cfg.output_dir, backend.model, backend.optimizer, 0, 1, device)
-        return trainer.train(cfg, backend, ckpt, source_from_config(cfg), "torch", hook)
+        return run_rank(cfg, 0, 1, device, on_step=hook)
     finally:
         dist.destroy_process_group()
 

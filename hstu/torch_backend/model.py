@@ -26,15 +26,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, times `gate` when given (HSTU's `attn_norm(a) * u`).
+    `fused` (`model.fused_norm` on CUDA): one Triton kernel forward and one backward
+    (`hstu_kernels.triton.layer_norm`) instead of eager torch's norm, casts and multiplies."""
+
     def __init__(self, dim: int):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(
-            x, x.shape[-1:], self.scale.to(x.dtype), self.bias.to(x.dtype), eps=LN_EPS
-        )
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused:
+            from hstu_kernels.triton.layer_norm import layer_norm
+
+            return layer_norm(x, self.scale, self.bias, LN_EPS, gate)
+        y = F.layer_norm(x, x.shape[-1:], self.scale.to(x.dtype), self.bias.to(x.dtype), eps=LN_EPS)
+        return y if gate is None else y * gate
 
 
 class Linear(nn.Module):
@@ -91,7 +99,7 @@ class HSTULayer(nn.Module):
             rab_pos=self.rab_position.to(x.dtype) if self.rab_position is not None else None,
             rab_time=self.rab_time.to(x.dtype) if self.rab_time is not None else None,
         )
-        y = self.attn_norm(a.reshape(-1, h * dv)) * u
+        y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
         return x + self.output(y)
 
@@ -127,6 +135,10 @@ class HSTUModel(nn.Module):
         # looks up, so its all-to-alls carry ids only (not timestamps or labels).
         self.embedding_keys: list[str] | None = None
         self.graphed = None  # train.cuda_graphs: a graphs.GraphedStack over this model
+        fused = cfg.fused_norm and torch.device(device).type == "cuda"
+        for module in self.modules():
+            if isinstance(module, LayerNorm):
+                module.fused = fused
         for name, child in self.named_children():
             if not (meta_tables and name == "embedding"):
                 child.to(device)

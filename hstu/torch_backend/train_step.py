@@ -241,10 +241,17 @@ class TorchBackend(TorchShuffler):
 
 
 def run_rank(
-    cfg, rank: int, world_size: int, device: torch.device, group=None, source=None
+    cfg,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    group=None,
+    source=None,
+    on_step=None,
 ) -> list[dict]:
     """One rank's training (process group already initialised); rank 0 returns the rows.
-    `source`: the samples (a `hstu.data.loader.SampleSource`; default: `cfg.data`'s)."""
+    `source`: the samples (a `hstu.data.loader.SampleSource`; default: `cfg.data`'s);
+    `on_step(step, metrics)`: called on each logged step's metrics (`hstu.trainer.train`)."""
     # TorchRec's modules trip a one-time torch.fx deprecation notice on every rank: noise here.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.manual_seed(rank_seed(cfg.train.seed, rank))
@@ -263,4 +270,4 @@ def run_rank(
     source = source if source is not None else source_from_config(cfg)
     if cfg.train.cuda_graphs:
         backend.use_cuda_graphs(capacity.for_source(cfg, source))
-    return trainer.train(cfg, backend, checkpointer, source, "torch")
+    return trainer.train(cfg, backend, checkpointer, source, "torch", on_step)

@@ -18,7 +18,7 @@ from hstu.params import init_params  # noqa: E402
 from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import to_torch  # noqa: E402
 from hstu.torch_backend.graphs import GraphedStack  # noqa: E402
-from hstu.torch_backend.model import HSTUModel  # noqa: E402
+from hstu.torch_backend.model import HSTUModel, LayerNorm  # noqa: E402
 
 
 def _loss_and_grads(model, tb, glt: int = 10):
@@ -28,11 +28,16 @@ def _loss_and_grads(model, tb, glt: int = 10):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["torch_norm", "fused_norm"])
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_padded_stack_gives_the_eager_loss_and_gradients(task):
+def test_padded_stack_gives_the_eager_loss_and_gradients(task, fused_norm):
     cfg = _cfg(task)
     model = HSTUModel(cfg.model)
     model.load_params(init_params(cfg.model, seed=0))
+    if fused_norm:  # the Triton norms (interpreted on CPU), as `model.fused_norm` on CUDA
+        for m in model.modules():
+            if isinstance(m, LayerNorm):
+                m.fused = True
     # the batches hold 13, 38 and 59 tokens: each is padded, the last past every capacity
     policy = CapacityPolicy((16, 40))
     graphed = GraphedStack(model, policy, cfg.data.max_seqlen, capture=False)
@@ -75,10 +80,15 @@ def test_cuda_graphs_without_cuda_is_a_config_error(tmp_path):
         train(cfg)
 
 
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.gpu
 def test_graphs_train_as_the_eager_model_across_capacities():
     """Six steps whose batches alternate between two capacities (so graphs share their pool
-    and replay out of capture order): losses and updated parameters as the eager run's."""
+    and replay out of capture order): every replayed step's gradients as the eager model's on
+    the same parameters, and the losses and updated parameters as the eager run's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the GPU machine)")
     from hstu.torch_backend.state import make_optimizer
@@ -91,8 +101,7 @@ def test_graphs_train_as_the_eager_model_across_capacities():
         model.load_params(init_params(cfg.model, seed=0))
         opt = make_optimizer(list(model.parameters()), cfg.train)
         policy = CapacityPolicy((32, 128))  # 2 samples: < 32 tokens; 8: 32 to 128
-        if graphs:
-            model.graphed = GraphedStack(model, policy, cfg.data.max_seqlen)
+        graphed = GraphedStack(model, policy, cfg.data.max_seqlen) if graphs else None
         losses = []
         for step in range(6):
             real = (2, 8)[step % 2]
@@ -100,15 +109,32 @@ def test_graphs_train_as_the_eager_model_across_capacities():
             tokens = sum(tb.length_per_key()[tb.keys.index(k)] for k in ("contextual", "candidate"))
             tokens += 2 * tb.length_per_key()[tb.keys.index("item")]
             assert policy.capacity(tokens) == (32, 128)[step % 2]
-            loss, _ = model(tb.to("cuda").strip_padding(), 10)
+            tb = tb.to("cuda").strip_padding()
+            if graphs:  # the eager gradients at these parameters, then the replay's
+                model.graphed = None
+                model(tb, 10)[0].backward()
+                eager = _grads(model)
+                opt.zero_grad(set_to_none=True)
+                model.graphed = graphed
+            loss, _ = model(tb, 10)
             loss.backward()
+            if graphs:
+                # rounding only: the padded matmuls reduce over more (zero) tokens, and cuBLAS
+                # may pick other kernels for them
+                for name, g in _grads(model).items():
+                    torch.testing.assert_close(
+                        g, eager[name], rtol=1e-4, atol=1e-6, msg=f"step {step}: {name}"
+                    )
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
             del loss  # the step's autograd graph ends here, as in training
-        runs[graphs] = (losses, model.export_params(), model.graphed)
+        runs[graphs] = (losses, model.export_params(), graphed)
     (want, want_p, _), (got, got_p, graphed) = runs[False], runs[True]
     assert graphed.num_graphs == 2 and graphed.eager_steps == 0
     assert got == pytest.approx(want, rel=1e-5)
+    # AdamW turns a rounding-sized change of a near-zero gradient element into up to a whole
+    # step (lr * g / (|g| + eps)): the runs' parameters are held to 5 % of one step. A replay
+    # of stale inputs or a clobbered pool moves them by whole steps (and fails the gradients).
     for name, value in want_p.items():
-        assert abs(got_p[name] - value).max() < 1e-5, name
+        assert abs(got_p[name] - value).max() < 0.05 * cfg.train.lr, name

@@ -1,0 +1,203 @@
+"""LayerNorm over the last dim, optionally times a gate, as one Triton kernel each way.
+
+    y = (x - mean) * rstd * weight + bias            (gate=None)
+    y = ((x - mean) * rstd * weight + bias) * gate   (HSTU's `attn_norm(a) * u`)
+
+Statistics and arithmetic in fp32 whatever `x`'s dtype; `weight` and `bias` are read in their
+own dtype (the model's fp32 parameters: no cast kernels, and their gradients come back in it).
+Eager torch runs this as a norm kernel, two dtype casts of the parameters, a multiply, and in
+backward a second multiply, the input-gradient kernel, a weight/bias-gradient reduction and the
+casts back: the fused backward reads `x`, `dy` (and `gate`) once, writes `dx` (and `dgate`),
+and reduces the weight/bias gradients in per-program fp32 partials summed at the end.
+
+Rows are independent: padding rows of a token capacity (all zero, zero upstream gradient) give
+a zero `dx` and add nothing to `dweight` / `dbias`, as with `F.layer_norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_kernel(
+    X, W, B, G, Y, MEAN, RSTD,
+    stride_x, stride_g, stride_y, T, D, eps,
+    HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < T
+    mask = rmask[:, None] & (cols < D)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+    if HAS_GATE:
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+        y = y * g.to(tl.float32)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _bwd_kernel(
+    X, W, B, G, DY, DX, DG, MEAN, RSTD, DW_PART, DB_PART,
+    stride_x, stride_g, stride_dy, stride_dx, stride_dg, T, D,
+    HAS_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
+    gradient sums as row `pid` of the partials."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for start in range(0, ROWS, BLOCK_R):
+        rows = pid.to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
+        rmask = rows < T
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        dn = dy.to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+            dg = dn * (xhat * w[None, :] + b[None, :])
+            tl.store(
+                DG + rows[:, None] * stride_dg + cols[None, :],
+                dg.to(DG.dtype.element_ty),
+                mask=mask,
+            )
+            dn = dn * g.to(tl.float32)
+        dw += tl.sum(dn * xhat, axis=0)
+        db += tl.sum(dn, axis=0)
+        wdn = dn * w[None, :]
+        c1 = tl.sum(xhat * wdn, axis=1) / D
+        c2 = tl.sum(wdn, axis=1) / D
+        dx = (wdn - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+        )
+    tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
+    tl.store(DB_PART + pid * D + cols, db, mask=cmask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    DW_PART, DB_PART, DW, DB, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """Column block `pid` of the weight / bias gradients: the partials summed tile by tile in
+    a fixed order (rows past `P` load as zeros, as zero partials would)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < D
+    dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, P, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & cmask[None, :]
+        offs = p[:, None] * D + cols[None, :]
+        dw += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
+        db += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cmask)
+    tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cmask)
+
+
+# Rows per backward program. Fixed, not sized from T: the weight / bias gradient is then summed
+# over the same groups of rows, in the same order, whatever padding follows the real rows
+# (padding rows and the partials of padding-only programs are exact zeros), so a step padded to
+# a token capacity (`train.cuda_graphs`) gets bit for bit the gradients of the unpadded one.
+ROWS_PER_PROGRAM = 32
+
+
+def _tiles(d: int) -> tuple[int, int, int]:
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(8, 4096 // block_d))  # ~4K values per tile
+    warps = 4 if block_d * block_r <= 4096 else 8
+    return block_r, block_d, warps
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """`t` as `[T, d]` with unit column stride (a view when it already is one)."""
+    t = t.reshape(-1, d)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, gate, eps):
+        d = x.shape[-1]
+        x2 = _rows(x, d)
+        g2 = _rows(gate, d) if gate is not None else x2
+        t = x2.shape[0]
+        y = torch.empty((t, d), dtype=x.dtype, device=x.device)
+        mean = torch.empty(t, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_r, block_d, warps = _tiles(d)
+        _fwd_kernel[(triton.cdiv(t, block_r),)](
+            x2, weight, bias, g2, y, mean, rstd,
+            x2.stride(0), g2.stride(0), y.stride(0), t, d, eps,
+            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x2, weight, bias, gate if gate is None else g2, mean, rstd)
+        ctx.shape, ctx.gate_dtype = x.shape, None if gate is None else gate.dtype
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
+        t, d = x2.shape
+        dy2 = _rows(dy, d)
+        dx = torch.empty_like(x2)
+        has_gate = g2 is not None
+        dg = torch.empty((t, d), dtype=ctx.gate_dtype, device=x2.device) if has_gate else dx
+        g = g2 if has_gate else x2
+        programs = triton.cdiv(t, ROWS_PER_PROGRAM)
+        dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
+        db = torch.empty_like(dw)
+        block_r, block_d, warps = _tiles(d)
+        _bwd_kernel[(programs,)](
+            x2, weight, bias, g, dy2, dx, dg, mean, rstd, dw, db,
+            x2.stride(0), g.stride(0), dy2.stride(0), dx.stride(0), dg.stride(0), t, d,
+            HAS_GATE=has_gate, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=warps,
+        )  # fmt: skip
+        dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
+        _sum_partials_kernel[(triton.cdiv(d, 64),)](
+            dw, db, dweight, dbias, programs, d, BLOCK_P=32, BLOCK_C=64
+        )
+        dgate = dg.reshape(ctx.shape) if has_gate else None
+        return dx.reshape(ctx.shape), dweight, dbias, dgate, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.layer_norm(x, weight, bias, eps)` over the last dim, times `gate` (same shape as `x`)
+    when given; differentiable in `x`, `weight`, `bias` and `gate`."""
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} must have the shape of x {tuple(x.shape)}")
+    return _LayerNorm.apply(x, weight, bias, gate, eps)
+
+
+def layer_norm_reference(x, weight, bias, eps, gate=None):
+    """The same in plain torch (what the kernel is tested against)."""
+    y = torch.nn.functional.layer_norm(
+        x, x.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps=eps
+    )
+    return y if gate is None else y * gate

@@ -1,0 +1,122 @@
+"""The fused Triton LayerNorm (`model.fused_norm`) against plain torch in float64: outputs and
+every gradient (input, weight, bias, gate), with and without the gate, a gate that is a strided
+view (HSTU's `u`, a slice of the uvqk projection), widths that are and are not powers of two,
+and zero padding rows. CPU: the Triton interpreter on small shapes; GPU (`gpu`): the compiled
+kernel on the recipe's shapes, and the HSTU model with and without it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
+pytest.importorskip("triton")
+
+from hstu_kernels.triton.layer_norm import layer_norm, layer_norm_reference  # noqa: E402
+
+EPS = 1e-6
+
+
+def _check(t: int, d: int, dtype, gated: bool, device: str, pad_rows: int = 0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g) * 2 + 0.5
+    x[t - pad_rows :] = 0.0  # a token capacity's padding: zero rows, zero upstream gradient
+    uvqk = torch.randn(t, 3 * d, generator=g)  # the gate is the middle third: a strided view
+    w = torch.randn(d, generator=g) * 0.3 + 1
+    b = torch.randn(d, generator=g) * 0.1
+    dy = torch.randn(t, d, generator=g)
+    dy[t - pad_rows :] = 0.0
+
+    def run(x, uvqk, w, b, dy, fn):
+        x, uvqk, w, b = (a.clone().requires_grad_() for a in (x, uvqk, w, b))
+        y = fn(x, w, b, EPS, uvqk[:, d : 2 * d] if gated else None)
+        y.backward(dy)
+        return [y, x.grad, w.grad, b.grad] + ([uvqk.grad] if gated else [])
+
+    got = run(*(a.to(device, dtype) for a in (x, uvqk)), w.to(device), b.to(device),
+              dy.to(device, dtype), layer_norm)  # fmt: skip
+    want = run(*(a.double() for a in (x, uvqk, w, b, dy)), layer_norm_reference)
+    assert got[0].dtype == dtype and got[2].dtype == torch.float32  # weight grads in fp32
+    # fp32: rounding only; bf16: one rounding of each stored value (the kernel rounds once
+    # where eager torch rounds the norm and then the product)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    names = ["y", "dx", "dweight", "dbias", "dgate"]
+    for name, a, e in zip(names, got, want):
+        a, e = a.detach().double().cpu(), e.detach()
+        scale = e.abs().max().clamp_min(1e-12)
+        assert float((a - e).abs().max() / scale) < tol, name
+    if pad_rows:  # padding rows: nothing out, nothing back
+        assert bool((got[1][t - pad_rows :] == 0).all())
+    if gated:
+        assert got[4][:, :d].abs().sum() == 0 and got[4][:, 2 * d :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gate"])
+@pytest.mark.parametrize("t,d,pad", [(37, 48, 0), (130, 256, 9)])
+def test_fused_layer_norm_matches_torch(t, d, pad, gated, dtype):
+    device = "cuda" if _CUDA else "cpu"
+    _check(t, d, dtype, gated, device, pad_rows=pad)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gate"])
+def test_zero_padding_rows_leave_every_gradient_bit_for_bit(gated):
+    # what `train.cuda_graphs` relies on: the step padded to a token capacity (here 45 real
+    # rows, 45 + 83 padded: the programs' row groups and the partials' sum order stay)
+    device = "cuda" if _CUDA else "cpu"
+    g = torch.Generator().manual_seed(1)
+    t, d, pad = 45, 96, 83
+    x, u, dy = (torch.randn(t, d, generator=g) for _ in range(3))
+    w, b = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    grads = []
+    for rows in (t, t + pad):
+        xs, us, dys = (torch.cat([a, a.new_zeros(rows - t, d)]).to(device) for a in (x, u, dy))
+        xs, us, ws, bs = (a.to(device).requires_grad_() for a in (xs, us, w, b))
+        y = layer_norm(xs, ws, bs, EPS, us if gated else None)
+        y.backward(dys)
+        grads.append([xs.grad[:t], ws.grad, bs.grad] + ([us.grad[:t]] if gated else []))
+    for a, e in zip(*grads):
+        assert torch.equal(a, e)
+
+
+def test_a_gate_of_another_shape_is_an_error():
+    x = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=r"gate \(4, 4\) must have the shape of x \(4, 8\)"):
+        layer_norm(x, torch.ones(8), torch.zeros(8), EPS, torch.zeros(4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True], ids=["norm", "norm_gate"])
+def test_fused_layer_norm_on_the_recipe_shapes(gated):
+    # bench_upstream: 1024 wide, ~11K tokens of a batch-32 capacity, the last 700 padding
+    _check(11_264, 1024, torch.bfloat16, gated, "cuda", pad_rows=700)
+
+
+@pytest.mark.gpu
+def test_the_model_with_and_without_the_fused_norm():
+    pytest.importorskip("torchrec")
+    from test_torch_model import _cfg
+
+    from hstu.params import init_params
+    from hstu.testing import make_global_batch
+    from hstu.torch_backend.batch import to_torch
+    from hstu.torch_backend.model import HSTUModel
+
+    results = []
+    for fused in (False, True):
+        cfg = _cfg("ranking", f"model.fused_norm={str(fused).lower()}")
+        model = HSTUModel(cfg.model, device="cuda")
+        model.load_params(init_params(cfg.model, seed=0))
+        assert all(m.fused == fused for m in model.modules() if hasattr(m, "fused"))
+        tb = to_torch(make_global_batch(cfg, 8, (8,))[0]).strip_padding().to("cuda")
+        loss, _ = model(tb, 10)
+        loss.backward()
+        results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want_loss, want), (got_loss, got) = results
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5, msg=name)
