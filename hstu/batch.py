@@ -36,6 +36,17 @@ HSTU_JAGGED_KEYS = (
     "candidate_time",  # candidate timestamps, K per sample
     "label",  # per-candidate task bitmask, K per sample
 )
+
+# HSTU tokens per jagged value: a contextual feature and a candidate are one token, a history
+# event two (its item and its action)
+TOKENS_PER_VALUE = (("contextual", 1), ("item", 2), ("candidate", 1))
+
+
+def sample_tokens(sample: dict) -> int:
+    """HSTU tokens of one sample (a `SampleSource.sample` dict): C + 2 L + K."""
+    return sum(w * len(sample[k]) for k, w in TOKENS_PER_VALUE if k in sample)
+
+
 HSTU_DENSE_KEYS = ("sample_id",)  # [batch_size] int64, a globally unique id per sample
 
 
@@ -133,7 +144,7 @@ class JaggedBatch:
     def seq_lengths(self) -> np.ndarray:
         """HSTU token count per sample: C + 2 L + K (zero for padding)."""
         total = np.zeros(self.batch_size, dtype=np.int64)
-        for key, weight in (("contextual", 1), ("item", 2), ("candidate", 1)):
+        for key, weight in TOKENS_PER_VALUE:
             if key in self.lengths:
                 total += weight * self.lengths[key]
         return total

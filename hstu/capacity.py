@@ -23,6 +23,7 @@ describes, use geometric buckets (`ratio`). `for_source` picks among the three.
 from __future__ import annotations
 
 import bisect
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,18 @@ class CapacityPolicy:
         while size < num_tokens:
             size = _align(size * self.ratio)
         return size
+
+    def capacity_of(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`capacity` of every entry of an integer array (any shape), vectorised."""
+        n = np.asarray(num_tokens, np.int64)
+        caps = np.asarray(self.capacities or (ALIGN,), np.int64)
+        i = np.searchsorted(caps, n)
+        out = caps[np.minimum(i, len(caps) - 1)]
+        grow = out < n  # past every capacity: the growth `capacity` applies
+        while grow.any():
+            out = np.where(grow, _align_all(np.ceil(out * self.ratio)), out)
+            grow = out < n
+        return out
 
 
 def _align(n: float, align: int = ALIGN) -> int:
@@ -164,14 +177,29 @@ def for_source(cfg, source=None) -> CapacityPolicy:
     """The policy for the samples a run reads: drawn from the config when they are the config's
     synthetic samples, from the dataset when they are a prepared dataset (either also behind
     wrappers that keep the original as `.inner`), geometric buckets up to the largest possible
-    batch otherwise."""
+    batch otherwise. Packed samples (`data.pack_window`) fill the capacities they were packed
+    to, unless the balancer re-partitions them (W > 1)."""
+    from hstu.data.loader import find_source
+    from hstu.data.packing import PackedSource
     from hstu.data.prepared import PreparedDataset
     from hstu.data.synthetic import SyntheticSamples
 
-    while source is not None and not isinstance(source, (SyntheticSamples, PreparedDataset)):
-        source = getattr(source, "inner", None)
-        if source is None:
-            return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
+    packed = find_source(source, PackedSource)
+    if packed is not None and not (cfg.balance.shuffler == "balanced" and cfg.dist.world_size > 1):
+        return packed.policy
+    if source is None:
+        return from_config(cfg)
+    source = find_source(source, (SyntheticSamples, PreparedDataset))
+    if source is None:
+        return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
     if isinstance(source, PreparedDataset):
         return from_prepared(cfg, source)
     return from_config(cfg)
+
+
+def block_policy(cfg, source=None) -> CapacityPolicy:
+    """The capacities of one rank's batch of `data.batch_size` samples split as identity splits
+    it (what `data.pack_window` packs to, whatever the world size): `for_source` at W=1."""
+    one = copy.deepcopy(cfg)
+    one.dist.world_size, one.balance.shuffler = 1, "identity"
+    return for_source(one, source)

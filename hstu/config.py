@@ -70,6 +70,11 @@ class ModelConfig:
         "reference",
         "reference (padded dense) | kernel: the backend's fused kernel, also triton / pallas",
     )
+    fused_norm: bool = _opt(
+        True,
+        "torch on CUDA: each LayerNorm (and the attention gating `attn_norm(a) * u`) as one "
+        "Triton kernel forward and one backward; jax: no effect (XLA fuses them itself)",
+    )
     task: str = _opt("ranking", "ranking (multi-task BCE on candidates) | retrieval")
     num_tasks: int = _opt(2, "ranking tasks, encoded as the bits of each candidate's label")
     num_negatives: int = _opt(16, "retrieval: sampled negatives per target")
@@ -128,6 +133,12 @@ class DataConfig:
     max_candidates: int = _opt(4, "most candidate tokens per sample")
     time_step: int = _opt(60, "mean seconds between events (synthetic timestamps)")
     prefetch: int = _opt(2, "batches read, validated and measured ahead on a host thread")
+    pack_window: int = _opt(
+        0,
+        "static-shape steps (jax; torch with train.cuda_graphs): reorder the samples inside "
+        "windows of this many so that each batch fills a token capacity (hstu/data/packing.py); "
+        "a multiple of batch_size, at least two batches; 0: the stream's order",
+    )
 
     def validate(self) -> None:
         p = "data."
@@ -149,6 +160,16 @@ class DataConfig:
             f"must be in [0, max_candidates={self.max_candidates}]",
         )
         _positive(self, p, "time_step", allow_zero=True)
+        _check(
+            self.pack_window == 0
+            or (
+                self.pack_window >= 2 * self.batch_size and self.pack_window % self.batch_size == 0
+            ),
+            p + "pack_window",
+            self.pack_window,
+            f"must be 0 or a multiple of data.batch_size={self.batch_size} holding at least two "
+            "batches",
+        )
         from hstu.data.distributions import DISTRIBUTIONS, check_params
 
         _one_of(p + "seqlen_dist", self.seqlen_dist, tuple(DISTRIBUTIONS))

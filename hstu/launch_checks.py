@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from hstu.data.loader import WrappedSource
 from hstu.errors import HSTUError
 
 # Ranks one machine runs on its CPU: gloo processes (torch) each hold a full interpreter and
@@ -197,7 +198,7 @@ def _reading_rank() -> int | None:
     return None
 
 
-class CheckedSource:
+class CheckedSource(WrappedSource):
     """A `SampleSource` whose samples are checked as they are read.
 
     * jagged values must be integers: floats are accepted only when integral (a float
@@ -209,17 +210,8 @@ class CheckedSource:
     """
 
     def __init__(self, inner, int32_time: bool = False, time_used: bool = True):
-        self.inner, self.int32_time, self.time_used = inner, int32_time, time_used
-        self.num_samples = inner.num_samples
-
-    @property
-    def jagged_keys(self) -> tuple[str, ...]:
-        return tuple(self.inner.jagged_keys)
-
-    def __getattr__(self, name: str):  # anything else a source offers (evaluation, specs)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.int32_time, self.time_used = int32_time, time_used
 
     def _fail(self, index: int, key: str, why: str) -> HSTUError:
         rank = _reading_rank()

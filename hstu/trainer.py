@@ -34,6 +34,7 @@ from typing import Protocol
 
 from hstu import pipeline
 from hstu.batch import check_model_inputs
+from hstu.data import packing
 from hstu.data.loader import DataLoader, SampleSource
 from hstu.metrics import MetricsLogger, peak_tflops
 from hstu.watchdog import Watchdog
@@ -81,8 +82,22 @@ class TrainBackend(pipeline.Backend, Protocol):
         """Collective: the logging process's `flag` on every rank."""
 
 
-def data_state(position: int) -> dict:
-    return {"next_sample": int(position)}
+def data_state(position: int, source=None) -> dict:
+    """The data state a checkpoint saves: the next sample, and the packing of the stream when
+    `source` is packed (`hstu.data.packing`: a resume inside a window must read it alike)."""
+    state = {"next_sample": int(position)}
+    packed = packing.find_packed(source)
+    if packed is not None:
+        state["pack"] = packed.state()
+    return state
+
+
+def carried_data_state(state: dict, where: str = "checkpoint") -> dict:
+    """A saved data state as a converted checkpoint carries it (position checked, packing kept)."""
+    out = {"next_sample": data_position(state, where)}
+    if state.get("pack") is not None:
+        out["pack"] = state["pack"]
+    return out
 
 
 def data_position(state: dict, where: str = "checkpoint") -> int:
@@ -122,7 +137,9 @@ def train(
             say(f"train.resume: no checkpoint under {checkpointer.directory}; starting at step 0")
         else:
             start, state = restored
-            position = data_position(state, f"{checkpointer.directory}/step-{start}")
+            where = f"{checkpointer.directory}/step-{start}"
+            position = data_position(state, where)
+            packing.check_resume(source, position, state.get("pack"), where)
             say(f"resumed from {checkpointer.directory}/step-{start} (next sample {position})")
     if start >= tc.steps:
         say(f"nothing to train: the checkpoint is at step {start} >= train.steps={tc.steps}")
@@ -171,7 +188,7 @@ def train(
             watchdog.beat()
         last = done == tc.steps or progress["stop"]
         if tc.checkpoint_every and (done % tc.checkpoint_every == 0 or last):
-            path = checkpointer.save(done, data_state(positions.pop(step)))
+            path = checkpointer.save(done, data_state(positions.pop(step), source))
             say(f"checkpoint: saved {path} (the state after step {step})")
             watchdog.beat()
             return True

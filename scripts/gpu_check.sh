@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
-#                                               e2e sim simcheck profile graphs ab kab optim
+#                                               e2e sim simcheck profile graphs norm pack ab
+#                                               kab optim
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -45,7 +46,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_dev
 print('triton', triton.__version__, 'jax', jax.__version__, jax.devices())
 print('torchrec', torchrec.__version__)" ;;
     kernels)
-      run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py
+      run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py \
+        tests/unit/test_triton_layer_norm.py
       run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py ;;
     bench)
       run triton_bench python -m hstu_kernels.triton.bench
@@ -125,6 +127,17 @@ print('torchrec', torchrec.__version__)" ;;
       done
       run e2e_fixed $E2E --probe-every 0 --out /tmp/e2e_fixed data.batch_size=8 \
         data.seqlen_dist=fixed "data.seqlen_params={}" ;;
+    pack)
+      # data.pack_window (issue 13's bound): $PACK_STEPS-step bench_upstream runs at batch 32,
+      # unpacked and packed in windows of 4 batches, identity, W=1: programs, padding, step
+      for backend in ${E2E_BACKENDS//,/ }; do
+        for window in 0 128; do
+          run "pack_${backend}_$window" python -m hstu.cli bench e2e --config bench_upstream \
+            --backends $backend --shufflers identity --steps ${PACK_STEPS:-500} --probe-every 0 \
+            --out /tmp/pack_${backend}_$window data.pack_window=$window
+          cp /tmp/pack_${backend}_$window/e2e.json "$OUT/pack_${backend}_$window.json"
+        done
+      done ;;
     graphs)
       # train.cuda_graphs, torch at W=1 on bench_upstream: the graphs' GPU test, then eager
       # and graphed side by side at batch 8 / 32 / 64 (fixed cost = the line through them)
@@ -135,6 +148,20 @@ print('torchrec', torchrec.__version__)" ;;
             --backends torch --shufflers identity --steps 30 --probe-every 0 \
             --out /tmp/graphs_b${b}_$g data.batch_size=$b train.cuda_graphs=$g
           cp /tmp/graphs_b${b}_$g/e2e.json "$OUT/graphs_b${b}_$g.json"
+        done
+      done ;;
+    norm)
+      # model.fused_norm (torch): eager LayerNorm + gating against the fused Triton kernels,
+      # alternating, $NORM_ROUNDS rounds at batch 8 / 32 / 64 (graphs on, identity, W=1)
+      run norm_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_layer_norm.py \
+        tests/unit/test_torch_graphs.py
+      for round in $(seq ${NORM_ROUNDS:-2}); do
+        for b in 8 32 64; do
+          for f in false true; do
+            run "norm_b${b}_${f}_$round" python -m hstu.cli bench e2e --config bench_upstream \
+              --backends torch --shufflers identity --steps 30 --probe-every 0 \
+              --out /tmp/norm_b${b}_${f}_$round data.batch_size=$b model.fused_norm=$f
+          done
         done
       done ;;
     simcheck)

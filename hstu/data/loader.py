@@ -33,6 +33,36 @@ class SampleSource(Protocol):
         """Global sample `index` (counting across epochs)."""
 
 
+class WrappedSource:
+    """Base of a `SampleSource` over another (`inner`): the epoch size and keys are the inner
+    source's, and anything else a source offers (evaluation splits, specs) is read through.
+    `find_source` looks through any stack of them."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.num_samples = inner.num_samples
+
+    @property
+    def jagged_keys(self) -> tuple[str, ...]:
+        return tuple(self.inner.jagged_keys)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def sample(self, index: int) -> dict[str, np.ndarray]:
+        return self.inner.sample(index)
+
+
+def find_source(source, kinds):
+    """The first source of type `kinds` in `source` and the sources it wraps (`.inner`), or
+    None."""
+    while source is not None and not isinstance(source, kinds):
+        source = getattr(source, "inner", None)
+    return source
+
+
 def batch_ranges(position: int, batch_size: int, world_size: int, num_samples: int):
     """`([(first, last) per rank], next_position)` of the global batch at `position`."""
     if position < 0:

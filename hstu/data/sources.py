@@ -21,12 +21,21 @@ from hstu.errors import HSTUError
 
 
 def source_from_config(cfg):
-    """The `hstu.data.loader.SampleSource` of `cfg.data`."""
+    """The `hstu.data.loader.SampleSource` of `cfg.data` (reordered window by window with
+    `data.pack_window`: `hstu.data.packing`)."""
     if cfg.data.source == "prepared":
-        return open_prepared(cfg)
-    from hstu.data.synthetic import source_from_config as synthetic
+        source = open_prepared(cfg)
+    else:
+        from hstu.data.synthetic import source_from_config as synthetic
 
-    return synthetic(cfg)
+        source = synthetic(cfg)
+    if not cfg.data.pack_window:
+        return source
+    from hstu import capacity
+    from hstu.data.packing import PackedSource
+
+    policy = capacity.block_policy(cfg, source)
+    return PackedSource(source, cfg.data.pack_window, cfg.data.batch_size, policy)
 
 
 def open_prepared(cfg):

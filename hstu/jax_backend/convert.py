@@ -27,7 +27,7 @@ from hstu.jax_backend.checkpoint import (
 )
 from hstu.jax_backend.embedding import EmbeddingSetup, pad_rows
 from hstu.jax_backend.state import TrainState, init_sharded_state, init_state, make_optimizer
-from hstu.trainer import data_position, data_state
+from hstu.trainer import carried_data_state
 
 
 def _fresh_state(cfg):
@@ -141,7 +141,7 @@ def read_portable(path: Path, cfg) -> core.PortableState:
         step,
         params,
         adam,
-        data_state(data_position(data, str(folder))),
+        carried_data_state(data, str(folder)),
         str(folder),
         tables,
     )

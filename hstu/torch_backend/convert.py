@@ -28,7 +28,7 @@ from hstu.torch_backend.checkpoint import (
     complete_steps,
 )
 from hstu.torch_backend.state import make_optimizer, rank_seed
-from hstu.trainer import data_position, data_state
+from hstu.trainer import carried_data_state
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -82,8 +82,8 @@ def read_portable(path: Path, cfg) -> core.PortableState:
         raise HSTUError(f"{folder}: the ranks' data states differ: {data}")
     if checkpoint_layout(folder) == "sharded":
         params, adam, tables = _read_sharded(folder, cfg)
-        position = data_position(data[0], str(folder))
-        state = core.PortableState(step, params, adam, data_state(position), str(folder))
+        carried = carried_data_state(data[0], str(folder))
+        state = core.PortableState(step, params, adam, carried, str(folder))
         state.tables = tables
         return state
     model, optimizer = _model_and_optimizer(cfg)
@@ -104,8 +104,8 @@ def read_portable(path: Path, cfg) -> core.PortableState:
         {name: _to_numpy(s["exp_avg"]) for name, s in per_param.items()},
         {name: _to_numpy(s["exp_avg_sq"]) for name, s in per_param.items()},
     )
-    position = data_position(data[0], str(folder))
-    return core.PortableState(step, model.export_params(), adam, data_state(position), str(folder))
+    carried = carried_data_state(data[0], str(folder))
+    return core.PortableState(step, model.export_params(), adam, carried, str(folder))
 
 
 def _torch_table(core_name: str) -> str:

@@ -131,3 +131,24 @@ def test_resume_with_nothing_to_resume_starts_at_step_zero(backend, tmp_path, ca
     assert "train.resume: no checkpoint under" in capsys.readouterr().out
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 0
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_a_packed_run_resumes_and_refuses_a_changed_packing_inside_a_window(
+    backend, tmp_path, capsys
+):
+    # batch 16 in windows of 64 samples: step-2 saves next sample 32, inside the first window
+    out = tmp_path / "run"
+    packed = "data.pack_window=64"
+    assert _cli(backend, out, "train.steps=2", "train.checkpoint_every=2", packed) == 0
+    saved = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert saved["padding_waste"] >= 0
+    assert _cli(backend, out, "train.steps=3", "train.resume=true", packed) == 0
+    assert "(next sample 32)" in capsys.readouterr().out
+    cfg = load_config(
+        "demo",
+        ["dist.world_size=1", "data.batch_size=16", "train.steps=4", "train.resume=true"]
+        + [f"output_dir={out}", "data.pack_window=32"],
+    )
+    with pytest.raises(HSTUError, match="the data position 32 is inside a window of the saved"):
+        backends.get_train(backend)(cfg)
