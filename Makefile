@@ -20,7 +20,7 @@ JAX_PKGS := jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoin
 OTHER_PKGS := triton==3.9.0 numpy pyyaml tqdm tensorboard matplotlib pytest hypothesis ruff \
 	pytest-timeout
 
-.PHONY: setup demo test test-fast test-slow lint format bench parity clean
+.PHONY: setup demo test test-fast test-slow test-mosaic has-mosaic-python lint format bench parity clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,31 @@ test-slow: setup
 test-fast: setup
 	HSTU_BLOCK_BACKENDS=1 $(VENV)/bin/python -m pytest -q tests/core
 
+# The Mosaic GPU attention forward is written for jax >= 0.11 (the GPU image's 0.11.2), which
+# needs Python >= 3.12: its CPU tests (Mosaic GPU's interpreter, and the kernel lowered for
+# CUDA) run in a second environment. The interpreter runs each warp group as a host thread
+# blocked in XLA callbacks, hence 4 host devices' threads on a 2-core machine.
+MOSAIC_PYTHON ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 \
+	$(HOME)/.pyenv/versions/3.12*/bin/python3.12))
+MOSAIC_VENV := .venv-mosaic
+MOSAIC_STAMP := $(MOSAIC_VENV)/.hstu-setup
+MOSAIC_PKGS := jax==0.11.2 jaxlib==0.11.2 numpy pyyaml pytest pytest-timeout
+
+$(MOSAIC_STAMP): pyproject.toml Makefile
+	@test -n "$(MOSAIC_PYTHON)" || { echo "test-mosaic: no Python 3.12 found (set MOSAIC_PYTHON)"; exit 1; }
+	test -x $(MOSAIC_VENV)/bin/python || $(MOSAIC_PYTHON) -m venv $(MOSAIC_VENV)
+	$(MOSAIC_VENV)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip setuptools wheel
+	$(MOSAIC_VENV)/bin/python -m pip install $(PIP_FLAGS) $(MOSAIC_PKGS)
+	$(MOSAIC_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation -e .
+	touch $(MOSAIC_STAMP)
+
+has-mosaic-python:
+	@test -n "$(MOSAIC_PYTHON)"
+
+test-mosaic: $(MOSAIC_STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+		$(MOSAIC_VENV)/bin/python -m pytest -q tests/unit/test_pallas_mosaic.py
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -65,4 +90,4 @@ parity: setup
 	$(VENV)/bin/hstu parity --config configs/demo.yaml
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MOSAIC_VENV) runs .pytest_cache .ruff_cache

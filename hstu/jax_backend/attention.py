@@ -26,6 +26,7 @@ class AttentionConfig:
     alpha: float = 1.0
     normalizer: float = 128.0
     interpret: bool | None = None  # kernel only; None: interpret when running on CPU
+    forward: str = "triton"  # kernel only: the forward's Pallas lowering (triton | mosaic | auto)
 
     def __post_init__(self):
         if self.impl not in IMPLEMENTATIONS:
@@ -60,4 +61,6 @@ def hstu_attention(
     )
     if cfg.impl == "reference":
         return mod.hstu_attention_reference(q, k, v, seq_offsets, **kwargs)
-    return mod.hstu_attention(q, k, v, seq_offsets, interpret=cfg.interpret, **kwargs)
+    return mod.hstu_attention(
+        q, k, v, seq_offsets, interpret=cfg.interpret, forward=cfg.forward, **kwargs
+    )

@@ -311,7 +311,12 @@ def build_model(
     external_tables: bool = False,
 ) -> HSTUModel:
     attn = AttentionConfig(
-        cfg.attention_impl("jax"), max_seqlen, cfg.resolved_alpha, cfg.normalizer, interpret
+        cfg.attention_impl("jax"),
+        max_seqlen,
+        cfg.resolved_alpha,
+        cfg.normalizer,
+        interpret,
+        cfg.pallas_forward,
     )
     return HSTUModel(cfg, attn, external_tables)
 

@@ -132,6 +132,8 @@ class _Cfg:
     time_size: int  # Tb, 0 when rab_time is None
     fast_math: bool  # sigmoid via tanh.approx (compiled 16-bit inputs only)
     kernel: str = "fwd"
+    forward: str = "triton"  # the forward pass's lowering: triton | mosaic (``_mosaic.py``)
+    mosaic_tiles: object = None  # ``_mosaic.MosaicTiles`` when forward == "mosaic"
 
     def for_kernel(self, kernel: str) -> _Cfg:
         return dataclasses.replace(self, kernel=kernel)

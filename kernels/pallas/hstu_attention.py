@@ -38,20 +38,42 @@ import jax
 import jax.numpy as jnp
 
 from ..tiles import resolve_tiles
+from . import _mosaic
 from ._backward import _backward
 from ._common import KERNELS, BlockSizes, _approx_tanh, _Cfg, _next_pow2, default_block_sizes
 from ._forward import _forward
 
-__all__ = ["KERNELS", "BlockSizes", "default_block_sizes", "hstu_attention"]
+__all__ = [
+    "FORWARDS",
+    "KERNELS",
+    "BlockSizes",
+    "MosaicTiles",
+    "default_block_sizes",
+    "hstu_attention",
+    "mosaic_forward_problem",
+]
+
+FORWARDS = ("triton", "mosaic", "auto")
+MosaicTiles = _mosaic.MosaicTiles
+
+
+def _any_forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
+    if cfg.forward == "mosaic":
+        return _mosaic.forward(
+            q, k, v, offs, ctx, cand,
+            max_seqlen=cfg.max_seqlen, alpha=cfg.alpha, normalizer=cfg.normalizer,
+            tiles=cfg.mosaic_tiles, interpret=cfg.interpret,
+        )  # fmt: skip
+    return _forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _hstu_attention(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
-    return _forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
+    return _any_forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
 
 
 def _hstu_attention_fwd(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
-    out = _forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
+    out = _any_forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
     return out, (q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
 
 
@@ -86,7 +108,15 @@ def _check_int_vector(x, name: str, length: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_seqlen", "alpha", "normalizer", "block_sizes", "interpret"),
+    static_argnames=(
+        "max_seqlen",
+        "alpha",
+        "normalizer",
+        "block_sizes",
+        "interpret",
+        "forward",
+        "mosaic_tiles",
+    ),
 )
 def hstu_attention(
     q: jax.Array,
@@ -104,6 +134,8 @@ def hstu_attention(
     rab_time: jax.Array | None = None,
     block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
     interpret: bool | None = None,
+    forward: str = "triton",
+    mosaic_tiles: MosaicTiles | None = None,
 ) -> jax.Array:
     """HSTU attention over a jagged batch (see ``kernels/README.md``).
 
@@ -119,6 +151,11 @@ def hstu_attention(
       block_sizes: tiling: one ``BlockSizes`` for every kernel, a (forward, backward) pair
         or a (forward, dk/dv, dq) triple; None: ``default_block_sizes`` of the head dim.
       interpret: run the Pallas interpreter; None means "when the default backend is CPU".
+      forward: the forward pass's kernel: ``triton`` (the Triton lowering of Pallas),
+        ``mosaic`` (Mosaic GPU, ``_mosaic.py``: jax >= 0.11, no biases, 16-bit inputs, head
+        dims up to 256; an error names what rules it out) or ``auto`` (Mosaic GPU where it
+        can run on a Hopper GPU, else Triton). The backward is the Triton lowering's.
+      mosaic_tiles: the Mosaic GPU forward's ``MosaicTiles`` (None: the defaults).
 
     Returns ``[T, H, Dv]`` in ``q.dtype`` (fp32 accumulation), zero past
     ``seq_offsets[-1]``. Differentiable in q, k, v, rab_pos and rab_time.
@@ -166,6 +203,16 @@ def hstu_attention(
         interpret = jax.default_backend() == "cpu"
     tiles = _resolve_blocks(block_sizes, max(d_qk, v.shape[2]), q.dtype, interpret)
 
+    if forward not in FORWARDS:
+        raise _err("forward", f"expected one of {FORWARDS}, got {forward!r}")
+    mosaic_tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
+    has_bias = rab_pos is not None or rab_time is not None
+    why = mosaic_forward_problem(q.dtype, d_qk, v.shape[2], has_bias, mosaic_tiles, interpret)
+    if forward == "mosaic" and why is not None:
+        raise _err("forward", f"the Mosaic GPU forward cannot run this call: {why}")
+    auto = forward == "auto" and why is None and not interpret  # never the interpreter
+    forward = "mosaic" if forward == "mosaic" or auto else "triton"
+
     d_v = v.shape[2]
     if bsz == 0 or t_cap == 0:
         return jnp.zeros((t_cap, heads, d_v), q.dtype)
@@ -181,10 +228,14 @@ def hstu_attention(
         pos_size=0 if rab_pos is None else int(rab_pos.shape[1]),
         time_size=0 if rab_time is None else int(rab_time.shape[1]),
         fast_math=(not interpret) and q.dtype != jnp.float32 and _approx_tanh is not None,
+        forward=forward,
+        mosaic_tiles=mosaic_tiles,
     )
-    # Head dims padded to powers of two >= 16 (Triton tiles); zero columns are inert.
-    dqk_p = max(16, _next_pow2(d_qk))
-    dv_p = max(16, _next_pow2(d_v))
+    # Head dims padded to powers of two >= 16 (Triton tiles; >= 64 for Mosaic GPU's wgmma
+    # tiles); zero columns are inert.
+    least = 64 if forward == "mosaic" else 16
+    dqk_p = max(least, _next_pow2(d_qk))
+    dv_p = max(least, _next_pow2(d_v))
     if dqk_p != d_qk:
         pad = ((0, 0), (0, 0), (0, dqk_p - d_qk))
         q, k = jnp.pad(q, pad), jnp.pad(k, pad)
@@ -196,3 +247,21 @@ def hstu_attention(
     ts = None if rab_time is None else timestamps.astype(jnp.int32)
     out = _hstu_attention(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
     return out[..., :d_v] if dv_p != d_v else out
+
+
+def _on_hopper() -> bool:
+    devices = jax.devices()
+    cc = getattr(devices[0], "compute_capability", "") if devices else ""
+    return devices[0].platform == "gpu" and str(cc).startswith("9")
+
+
+def mosaic_forward_problem(
+    dtype, d_qk: int, d_v: int, has_bias: bool, tiles: MosaicTiles, interpret: bool | None
+) -> str | None:
+    """None when ``forward="mosaic"`` can run a call of this shape here, else why not (the
+    head dims as given: they are padded to a power of two >= 64)."""
+    dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(d_v)))
+    why = _mosaic.supports(dtype, *dims, has_bias, tiles)
+    if why is None and not interpret and not _on_hopper():
+        why = "no Hopper GPU (wgmma needs compute capability 9.x)"
+    return why
