@@ -75,11 +75,12 @@ class ModelConfig:
         "torch on CUDA: each LayerNorm (and the attention gating `attn_norm(a) * u`) as one "
         "Triton kernel forward and one backward; jax: no effect (XLA fuses them itself)",
     )
-    pallas_forward: str = _opt(
+    pallas_lowering: str = _opt(
         "triton",
-        "jax kernel: the attention forward's Pallas lowering, triton | mosaic (Mosaic GPU on "
-        "Hopper, jax >= 0.11, no biases; an error says what rules it out) | auto (mosaic where "
-        "it can run, else triton); the backward is Triton's either way; torch: no effect",
+        "jax kernel: the Pallas lowering of the attention forward and dq kernels, triton | "
+        "mosaic (Mosaic GPU on Hopper, jax >= 0.11, no biases; an error says what rules it "
+        "out) | auto (mosaic where it can run, else triton); dk/dv stay Triton's; torch: no "
+        "effect",
     )
     task: str = _opt("ranking", "ranking (multi-task BCE on candidates) | retrieval")
     num_tasks: int = _opt(2, "ranking tasks, encoded as the bits of each candidate's label")
@@ -97,7 +98,7 @@ class ModelConfig:
         if self.alpha is not None:
             _check(math.isfinite(self.alpha), p + "alpha", self.alpha, "must be finite")
         _one_of(p + "attention", self.attention, ("reference", "kernel", "triton", "pallas"))
-        _one_of(p + "pallas_forward", self.pallas_forward, ("triton", "mosaic", "auto"))
+        _one_of(p + "pallas_lowering", self.pallas_lowering, ("triton", "mosaic", "auto"))
         _one_of(p + "task", self.task, ("ranking", "retrieval"))
         _one_of(p + "dtype", self.dtype, ("float32", "bfloat16", "float16"))
 

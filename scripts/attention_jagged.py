@@ -1,7 +1,7 @@
 """Device time of the HSTU attention kernels on the batches the end-to-end recipe feeds them.
 
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
-        [--forward triton|mosaic]   (jax: the forward's Pallas lowering; the backward is Triton's)
+        [--lowering triton|mosaic]   (jax: the forward / dq kernels' Pallas lowering)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
 contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and one of 8 x 4096
@@ -129,7 +129,7 @@ def _triton_resources():
                 )
 
 
-def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, forward="triton"):
+def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton"):
     import jax
     import jax.numpy as jnp
     from hstu_kernels.pallas import hstu_attention
@@ -146,7 +146,7 @@ def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, forward
         extra["num_candidates"] = jnp.asarray(cand, jnp.int32)
 
     def attn(q, k, v):
-        return hstu_attention(q, k, v, offs, **kw, **extra, forward=forward)
+        return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering)
 
     fwd = jax.jit(attn)
     fwd_bwd = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](g))
@@ -171,10 +171,10 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="torch: kernels of one fwd+bwd")
-    ap.add_argument("--forward", choices=["triton", "mosaic"], default="triton",
-                    help="jax: the forward kernel's Pallas lowering")  # fmt: skip
+    ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
+                    help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
     args = ap.parse_args(argv)
-    fwd_name = f", {args.forward} forward" if args.backend == "jax" else ""
+    fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
         if args.backend == "torch":
             f_ms, fb_ms = _torch_case(*shape, timed, args.profile)
         else:
-            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.forward)
+            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering)
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip

@@ -165,8 +165,8 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done ;;
     mosaic)
-      # the Mosaic GPU attention forward (jax, model.pallas_forward): compiled against the
-      # reference first; only then timed against the Triton-lowering forward on the recipe's
+      # the Mosaic GPU attention kernels (jax, model.pallas_lowering): compiled against the
+      # reference first; only then timed against the Triton lowering on the recipe's
       # jagged batches, alternating $MOSAIC_ROUNDS rounds; MOSAIC_E2E=1 adds the bench_upstream
       # step (jax, batch 32, identity, W=1) with each forward
       run mosaic_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py
@@ -174,13 +174,13 @@ print('torchrec', torchrec.__version__)" ;;
         for round in $(seq ${MOSAIC_ROUNDS:-2}); do
           for f in triton mosaic; do
             run "mosaic_attn_${f}_$round" python scripts/attention_jagged.py --backend jax \
-              --forward $f --dim ${MOSAIC_DIM:-256}
+              --lowering $f --dim ${MOSAIC_DIM:-256}
           done
         done
         [ "${MOSAIC_E2E:-0}" = 1 ] && for f in triton mosaic; do
           run "mosaic_e2e_$f" python -m hstu.cli bench e2e --config bench_upstream \
             --backends jax --shufflers identity --steps 30 --probe-every 0 \
-            --out /tmp/mosaic_e2e_$f model.pallas_forward=$f
+            --out /tmp/mosaic_e2e_$f model.pallas_lowering=$f
         done
       fi ;;
     simcheck)

@@ -26,7 +26,7 @@ class AttentionConfig:
     alpha: float = 1.0
     normalizer: float = 128.0
     interpret: bool | None = None  # kernel only; None: interpret when running on CPU
-    forward: str = "triton"  # kernel only: the forward's Pallas lowering (triton | mosaic | auto)
+    lowering: str = "triton"  # kernel only: forward / dq Pallas lowering (triton | mosaic | auto)
 
     def __post_init__(self):
         if self.impl not in IMPLEMENTATIONS:
@@ -62,5 +62,5 @@ def hstu_attention(
     if cfg.impl == "reference":
         return mod.hstu_attention_reference(q, k, v, seq_offsets, **kwargs)
     return mod.hstu_attention(
-        q, k, v, seq_offsets, interpret=cfg.interpret, forward=cfg.forward, **kwargs
+        q, k, v, seq_offsets, interpret=cfg.interpret, lowering=cfg.lowering, **kwargs
     )

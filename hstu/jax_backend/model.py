@@ -316,7 +316,7 @@ def build_model(
         cfg.resolved_alpha,
         cfg.normalizer,
         interpret,
-        cfg.pallas_forward,
+        cfg.pallas_lowering,
     )
     return HSTUModel(cfg, attn, external_tables)
 

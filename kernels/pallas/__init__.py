@@ -1,24 +1,24 @@
 """HSTU attention for JAX: Pallas kernels (forward + backward) and a plain-jnp reference."""
 
 from .hstu_attention import (
-    FORWARDS,
     KERNELS,
+    LOWERINGS,
     BlockSizes,
     MosaicTiles,
     default_block_sizes,
     hstu_attention,
-    mosaic_forward_problem,
+    mosaic_problem,
 )
 from .reference import hstu_attention_reference, hstu_mask_reference
 
 __all__ = [
-    "FORWARDS",
+    "LOWERINGS",
     "KERNELS",
     "BlockSizes",
     "MosaicTiles",
     "default_block_sizes",
     "hstu_attention",
-    "mosaic_forward_problem",
+    "mosaic_problem",
     "hstu_attention_reference",
     "hstu_mask_reference",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import _mosaic
 from ._common import (
     _apply_mask,
     _aux_inputs,
@@ -199,15 +200,18 @@ def _backward(cfg: _Cfg, res, g):
     tok = _token_mask(offs, t_cap)
     dq_cfg, kv = cfg.for_kernel("dq"), cfg.for_kernel("dkdv")  # each kernel's own tiles
 
-    num, sched = _schedule_table(dq_cfg, offs, t_cap, key_major=False)
-    dq = _call(
-        _dq_kernel,
-        dq_cfg,
-        (num, heads),
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        [*_aux_inputs(dq_cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time), q, k, v, do],
-        "hstu_attention_bwd_dq",
-    )
+    if cfg.lowering == "mosaic":  # no biases there: no bias gradients from dq
+        dq = _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **cfg.mosaic_kwargs("dq"))
+    else:
+        num, sched = _schedule_table(dq_cfg, offs, t_cap, key_major=False)
+        dq = _call(
+            _dq_kernel,
+            dq_cfg,
+            (num, heads),
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            [*_aux_inputs(dq_cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time), q, k, v, do],
+            "hstu_attention_bwd_dq",
+        )
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if kv.time_size:
         out_shape.append(jax.ShapeDtypeStruct((bsz, heads, kv.nkb, kv.time_pad), jnp.float32))

@@ -132,8 +132,18 @@ class _Cfg:
     time_size: int  # Tb, 0 when rab_time is None
     fast_math: bool  # sigmoid via tanh.approx (compiled 16-bit inputs only)
     kernel: str = "fwd"
-    forward: str = "triton"  # the forward pass's lowering: triton | mosaic (``_mosaic.py``)
-    mosaic_tiles: object = None  # ``_mosaic.MosaicTiles`` when forward == "mosaic"
+    lowering: str = "triton"  # forward and dq kernels: triton | mosaic (``_mosaic.py``)
+    mosaic_tiles: tuple = ()  # (forward, dq) ``_mosaic.MosaicTiles`` when lowering is mosaic
+
+    def mosaic_kwargs(self, kind: str) -> dict:
+        """Keyword arguments of ``_mosaic.forward`` / ``backward_dq``."""
+        return dict(
+            max_seqlen=self.max_seqlen,
+            alpha=self.alpha,
+            normalizer=self.normalizer,
+            tiles=self.mosaic_tiles[("fwd", "dq").index(kind)],
+            interpret=self.interpret,
+        )
 
     def for_kernel(self, kernel: str) -> _Cfg:
         return dataclasses.replace(self, kernel=kernel)

@@ -1,38 +1,40 @@
-"""Forward HSTU attention as a Mosaic GPU kernel (Hopper: TMA loads, wgmma, warp groups).
+"""HSTU attention kernels in Mosaic GPU (Hopper: TMA loads, wgmma, warp groups): the forward
+and the query gradient.
 
 jax 0.11 deprecates the Triton lowering of Pallas on GPU; Mosaic GPU
-(``jax.experimental.pallas.mosaic_gpu``) is its successor. This module holds the forward
-pass in it; the backward stays with the Triton-lowering kernels (``_backward.py``), which
-need nothing the forward saves beyond q, k and v.
+(``jax.experimental.pallas.mosaic_gpu``) is its successor. This module holds the two
+query-major kernels in it; the key-major dk / dv kernel stays with the Triton lowering
+(``_backward.py``). Neither needs anything saved beyond q, k and v.
 
-One CTA per head and per (block, sample) pair, heaviest first (``kernels/schedule.py``, block
-``2 * block_q``), three warp groups:
+Each kernel runs one CTA per head and per (block, sample) pair, heaviest first
+(``kernels/schedule.py``, block ``2 * block_q``), with three warp groups:
 
-* warp group 2 (producer) streams the key / value tiles of the sample through
-  ``stages`` shared-memory slots with TMA, refilling a slot once both consumers released it;
-* warp groups 0 and 1 (consumers) each own ``block_q`` query rows: per key tile,
-  ``S = q k^T`` (wgmma into registers), ``P = silu(alpha S) / N`` masked where the pair
-  is not attended, ``acc += P v`` (wgmma, P from registers). A shared "turn" barrier
-  staggers the two so one's elementwise work overlaps the other's matmuls (the ping-pong
-  of flash-attention 3 and of jax's ``attention_mgpu``).
+* warp group 2 (producer) streams the key / value tiles of the sample through ``stages``
+  shared-memory slots with TMA, refilling a slot once both consumers released it;
+* warp groups 0 and 1 (consumers) each own ``block_q`` query rows. Forward, per key tile:
+  ``S = q k^T`` (wgmma into registers), ``P = silu(alpha S) / N`` masked where the pair is
+  not attended, ``acc += P v`` (wgmma, P from registers). dq: ``S = q k^T`` and
+  ``dP = dO v^T``, ``dS = dP silu'(alpha S) / N`` masked, ``acc += dS k``; times alpha at
+  the end. A shared "turn" barrier staggers the two consumers so one's elementwise work
+  overlaps the other's matmuls (the ping-pong of flash-attention 3 and of jax's
+  ``attention_mgpu``). HSTU's SiLU needs no running maximum: no rescaling of ``acc``.
 
-Jagged rows: TMA addresses global memory in the (8, 64) tiles of the swizzled shared
-buffers, so a tile must start on a multiple of 8 rows; the kernel reads a copy of q, k, v in
-which every sample starts on one (one gather each, at most 7 zero rows after a sample).
-Tiles start at the sample's first token, so a tile's tail may read the next sample's rows
-(masked out: never attended) or rows past the array (TMA fills zeros). The output tile of a
-CTA always has ``2 * block_q`` rows, so it goes to a buffer with one such tile per CTA (no
-CTA writes another's rows) and a gather brings the rows back to the jagged layout. Those
-gathers are extra memory traffic (about 4 x T x H x D x 2 bytes) that a model keeping its
-samples 8-aligned would not need.
+Jagged rows: TMA addresses global memory in the tiles of the swizzled shared buffers, so a
+tile must start on a multiple of 8 rows; the kernels read copies of q, k, v (dO) in which
+every sample starts on one (one gather each, at most 7 zero rows after a sample). Tiles start
+at the sample's first token, so a tile's tail may read the next sample's rows (masked out:
+never attended) or rows past the array (TMA fills zeros). A CTA's output tile always has
+``2 * block_q`` rows, so it goes to a buffer with one such tile per CTA (no CTA writes
+another's rows) and a gather brings the rows back to the jagged layout. Those gathers are
+memory traffic a model keeping its samples 8-aligned would not need.
+
+No relative biases, 16-bit inputs only, head dims multiples of 64 up to 256 (``supports``);
+the entry point uses the Triton lowering for the rest. Interpret mode
+(``InterpretGPUParams``) runs the same kernels on the CPU for the tests.
 
 Status: checked in Mosaic GPU's interpreter and lowered for CUDA on the CPU
 (``tests/unit/test_pallas_mosaic.py``); not yet compiled and timed on a GPU, hence not the
-default (``model.pallas_forward``).
-
-No relative biases here and 16-bit inputs only, with head dims multiple of 64 up to 256
-(``supports``); the entry point falls back to the Triton-lowering forward for the rest.
-Interpret mode (``InterpretGPUParams``) runs the same kernel on the CPU for the tests.
+default (``model.pallas_lowering``).
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ except ImportError:  # pragma: no cover
 _JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 
 
+KINDS = ("fwd", "dq")  # the kernels written in Mosaic GPU (dk / dv stays Triton's)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-    """Tiling of the Mosaic GPU forward: ``block_q`` query rows per consumer warp group
-    (64: one wgmma row block), ``block_kv`` key rows per tile (a multiple of 64) and
-    ``stages`` key / value slots in shared memory (>= 2)."""
+    """Tiling of one Mosaic GPU kernel: ``block_q`` query rows per consumer warp group (64:
+    one wgmma row block), ``block_kv`` key rows per tile (a multiple of 32; 32 puts the
+    shared buffers on a 64-byte swizzle) and ``stages`` key / value slots (>= 2)."""
 
     block_q: int = 64
     block_kv: int = 64
@@ -74,9 +79,9 @@ class MosaicTiles:
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"MosaicTiles.block_q: must be 64, got {self.block_q!r}")
-        if not isinstance(self.block_kv, int) or self.block_kv < 64 or self.block_kv % 64:
+        if not isinstance(self.block_kv, int) or self.block_kv < 32 or self.block_kv % 32:
             raise ValueError(
-                f"MosaicTiles.block_kv: expected a multiple of 64, got {self.block_kv!r}"
+                f"MosaicTiles.block_kv: expected a multiple of 32, got {self.block_kv!r}"
             )
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MosaicTiles.stages: expected an int >= 2, got {self.stages!r}")
@@ -86,29 +91,40 @@ class MosaicTiles:
 _SMEM_BYTES = 227 * 1024 - 1024
 
 
-def smem_bytes(tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int = 2) -> int:
-    """Shared memory the forward takes: two query tiles (also the output tiles when Dv = Dqk,
-    else two more) and the key / value slots."""
-    q = 2 * tiles.block_q * (d_qk + (d_v if d_v != d_qk else 0))
+def smem_bytes(kind: str, tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int = 2) -> int:
+    """Shared memory kernel ``kind`` takes: per consumer a query tile (dq: and a dO tile; an
+    output tile unless it fits in the query tile), and the key / value slots."""
+    d_out = d_v if kind == "fwd" else d_qk
+    per_rows = d_qk + (d_out if d_out != d_qk else 0) + (d_v if kind == "dq" else 0)
     kv = tiles.stages * tiles.block_kv * (d_qk + d_v)
-    return (q + kv) * itemsize
+    return (2 * tiles.block_q * per_rows + kv) * itemsize
 
 
-def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles: MosaicTiles) -> str | None:
-    """None when the Mosaic GPU forward can run this call, else why not."""
+def default_tiles(kind: str, d_qk: int, d_v: int) -> MosaicTiles:
+    """64-row key tiles where they fit in shared memory, else 32 (dq at head dim 256)."""
+    tiles = MosaicTiles()
+    if smem_bytes(kind, tiles, d_qk, d_v) > _SMEM_BYTES:
+        tiles = MosaicTiles(block_kv=32)
+    return tiles
+
+
+def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
+    """None when the Mosaic GPU kernels can run this call with ``tiles`` (forward, dq), else
+    why not."""
     if has_bias:
-        return "relative biases are not implemented in the Mosaic GPU forward"
+        return "relative biases are not implemented in the Mosaic GPU kernels"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype)} (wgmma takes bfloat16 / float16 here)"
     for name, d in (("Dqk", d_qk), ("Dv", d_v)):
         if d % 64 or not 64 <= d <= 256:
             return f"{name}={d} (a multiple of 64 up to 256)"
-    if smem_bytes(tiles, d_qk, d_v) > _SMEM_BYTES:
-        return f"{tiles} needs {smem_bytes(tiles, d_qk, d_v)} bytes of shared memory"
+    for kind, t in zip(KINDS, tiles, strict=True):
+        if smem_bytes(kind, t, d_qk, d_v) > _SMEM_BYTES:
+            return f"{kind} tiles {t} need {smem_bytes(kind, t, d_qk, d_v)} bytes of shared memory"
     if plgpu is None or InterpretGPUParams is None:
         return "this jax has no Pallas Mosaic GPU"
     if _JAX_VERSION < (0, 11):
-        return f"jax {jax.__version__} (the kernel is written for jax >= 0.11)"
+        return f"jax {jax.__version__} (the kernels are written for jax >= 0.11)"
     return None
 
 
@@ -125,14 +141,22 @@ def _key_steps(qs, bq: int, bk: int, n, c, hist):
     return jnp.where(qs < n, _cdiv(jnp.maximum(a_end, qe), bk), 0)
 
 
-def _forward_kernel(
-    meta_ref, q_ref, k_ref, v_ref, o_ref, scoped, *, tiles, alpha, normalizer, interpreted
-):
+def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
+    """One CTA: ``2 x block_q`` query rows of one sample and head (``kind`` "fwd": the
+    attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+    if kind == "fwd":
+        q_ref, k_ref, v_ref, o_ref, scoped = refs
+        do_ref = None
+        (q_smem2, k_smem, v_smem, t_smem2, o_smem2), barriers, frees, turn = scoped
+        (k_full, v_full, q_full), do_full = barriers, None
+    else:
+        q_ref, k_ref, v_ref, do_ref, o_ref, scoped = refs
+        (q_smem2, k_smem, v_smem, t_smem2, o_smem2, do_smem2), barriers, frees, turn = scoped
+        k_full, v_full, q_full, do_full = barriers
+    k_free, v_free = frees
     dtype = q_ref.dtype
-    d_v = v_ref.shape[-1]
-    (q_smem2, k_smem, v_smem, p_smem2, o_smem2), barriers, (k_free, v_free), turn = scoped
-    k_full, v_full, q_full = barriers
+    d_out = o_ref.shape[-1]
     h = lax.axis_index("heads")
     j = lax.axis_index("pairs")
     wg = lax.axis_index("wg")
@@ -152,69 +176,115 @@ def _forward_kernel(
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
+    def matmul(s_ref, a, b):
+        plgpu.wgmma(s_ref, a, b)
+        return s_ref
+
+    def to_tensor_cores(t16, b_smem, acc_ref):
+        """``acc += t16 @ b``: t16 from registers (the interpreter's wgmma reads only shared
+        memory: there it goes through it)."""
+        if interpreted:
+            t_smem2.at[wg][...] = t16
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
+        else:
+            plgpu.wgmma(acc_ref, t16, b_smem)
+
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         q_smem = q_smem2.at[wg]
         qs = q0 + wg * bq
         steps = jnp.where(wg == 0, steps0, steps1)
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start + qs, bq), h], q_smem, q_full.at[wg])
+        rows = pl.ds(start + qs, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem, q_full.at[wg])
+        if do_ref is not None:
+            plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem2.at[wg], do_full.at[wg])
+            plgpu.barrier_wait(do_full.at[wg])
         plgpu.barrier_wait(q_full.at[wg])
+        pl.when(wg == 1)(take_turn)
+        # Key tiles below min(qs, hist) are attended by every row: no mask there.
+        unmasked = jnp.minimum(lax.div(jnp.minimum(qs, hist), jnp.int32(bk)), steps)
+
+        def keep(kv):
+            i = qs + iota(0)
+            jj = kv * bk + iota(1)
+            return (i == jj) | ((jj < hist) & ((jj <= i) | (i < c)))
+
+        def fwd_step(acc_ref, kv, slot, masked):
+            def scores(s_ref):
+                matmul(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                take_turn()
+                return s_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            # silu(alpha s) / N = (alpha s / 2N) (1 + tanh(alpha s / 2))
+            p = (s * jnp.float32(0.5 * alpha / normalizer)) * (
+                1.0 + jnp.tanh(s * jnp.float32(0.5 * alpha))
+            )
+            if masked:
+                p = jnp.where(keep(kv), p, 0.0)
+            p16 = p.astype(dtype)
+            plgpu.barrier_arrive(turn)  # done with the elementwise work
+            plgpu.barrier_wait(v_full.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are ours
+            to_tensor_cores(p16, v_smem.at[slot], acc_ref)
+            nxt = kv + 1
+
+            @pl.when(nxt < steps)
+            def _():
+                plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        def dq_step(acc_ref, kv, slot, masked):
+            plgpu.barrier_wait(v_full.at[slot])
+
+            def scores(s_ref, dp_ref):
+                matmul(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                matmul(dp_ref, do_smem2.at[wg], v_smem.at[slot].transpose((1, 0)))
+                take_turn()
+                return s_ref[...], dp_ref[...]
+
+            acc = plgpu.ACC((bq, bk), jnp.float32)
+            s, dp = pl.run_scoped(scores, acc, acc)
+            plgpu.barrier_arrive(v_free.at[slot])
+            # d silu(x) / dx = sig (1 + x (1 - sig)), sig = (1 + tanh(x / 2)) / 2, x = alpha s;
+            # alpha is applied to dq once at the end.
+            x = s * jnp.float32(alpha)
+            sig = 0.5 + 0.5 * jnp.tanh(x * 0.5)
+            ds = dp * (sig * (1.0 + x * (1.0 - sig))) * jnp.float32(1.0 / normalizer)
+            if masked:
+                ds = jnp.where(keep(kv), ds, 0.0)
+            ds16 = ds.astype(dtype)
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+            to_tensor_cores(ds16, k_smem.at[slot], acc_ref)
+            nxt = kv + 1
+
+            @pl.when(nxt < steps)
+            def _():
+                plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(k_free.at[slot])
+
+        step = fwd_step if kind == "fwd" else dq_step
 
         @pl.when(steps > 0)
         def _():
             plgpu.barrier_wait(k_full.at[0])
 
-        pl.when(wg == 1)(take_turn)
-        # Key tiles below min(qs, hist) are attended by every row: no mask there.
-        unmasked = jnp.minimum(lax.div(jnp.minimum(qs, hist), jnp.int32(bk)), steps)
-        half_scale = jnp.float32(0.5 * alpha)
-        out_scale = jnp.float32(0.5 * alpha / normalizer)
-
         def run(acc_ref):
-            def step(kv, masked: bool):
-                slot = lax.rem(kv, jnp.int32(stages))
-
-                def scores(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    take_turn()
-                    return s_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                # silu(alpha s) / N = (alpha s / 2N) (1 + tanh(alpha s / 2))
-                p = (s * out_scale) * (1.0 + jnp.tanh(s * half_scale))
-                if masked:
-                    i = qs + iota(0)
-                    jj = kv * bk + iota(1)
-                    keep = (i == jj) | ((jj < hist) & ((jj <= i) | (i < c)))
-                    p = jnp.where(keep, p, 0.0)
-                p16 = p.astype(dtype)
-                plgpu.barrier_arrive(turn)  # done with the elementwise work
-                plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_wait(turn)  # the tensor cores are ours
-                if interpreted:  # the interpreter's wgmma reads only shared memory
-                    p_smem2.at[wg][...] = p16
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, p_smem2.at[wg], v_smem.at[slot])
-                else:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                nxt = kv + 1
-
-                @pl.when(nxt < steps)
-                def _():
-                    plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
-
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(v_free.at[slot])
-
             @pl.loop(0, unmasked)
             def _(kv):
-                step(kv, masked=False)
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=False)
 
             @pl.loop(unmasked, steps)
             def _(kv):
-                step(kv, masked=True)
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=True)
 
             # Tiles only the other warp group needs: observe and release them, and keep
             # the turns even.
@@ -230,7 +300,9 @@ def _forward_kernel(
 
             return acc_ref[...]
 
-        acc = pl.run_scoped(run, plgpu.ACC((bq, d_v), jnp.float32))
+        acc = pl.run_scoped(run, plgpu.ACC((bq, d_out), jnp.float32))
+        if kind == "dq":
+            acc = acc * jnp.float32(alpha)
         pl.when(wg == 0)(take_turn)
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # TMA needs it contiguous
         o_smem[...] = acc.astype(dtype)
@@ -265,21 +337,20 @@ def _forward_kernel(
             plgpu.barrier_wait(v_free.at[slot])
 
 
-def forward(
-    q, k, v, offs, ctx, cand, *, max_seqlen, alpha, normalizer, tiles: MosaicTiles, interpret
-):
-    """Forward HSTU attention (no biases) with the Mosaic GPU kernel: ``[T, H, Dv]`` in
-    ``q.dtype``, zero past ``offs[-1]``. ``ctx`` / ``cand`` are ``[B]`` int32 or None."""
+def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, tiles, interpret):
+    """Run the ``kind`` kernel over the jagged batch: ``[T, H, D]`` (D: Dv for "fwd", Dqk for
+    "dq") in ``q.dtype``, zero past ``offs[-1]``."""
     t_cap, heads, d_qk = q.shape
     d_v = v.shape[-1]
+    d_out = d_v if kind == "fwd" else d_qk
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     block = 2 * bq
     bsz = offs.shape[0] - 1
     num = pairs(t_cap, bsz, max_seqlen, block)
     blk, b, valid = schedule(jnp, offs, max_seqlen, num, block, key_major=False)
     # TMA reads global memory in the shared tiles' (8, 64) tiling, so a tile must start on a
-    # multiple of 8 rows: the kernel reads q, k, v from a copy in which every sample starts
-    # on one (at most 7 rows of zeros after each sample).
+    # multiple of 8 rows: the kernel reads copies in which every sample starts on one (at
+    # most 7 rows of zeros after each sample).
     lens = offs[1:] - offs[:-1]
     aoffs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + 7) // 8 * 8)])
     t_al = -(-t_cap // 8) * 8 + 8 * bsz  # static bound on aoffs[-1]
@@ -287,40 +358,48 @@ def forward(
     sample_p = jnp.clip(jnp.searchsorted(aoffs, p, side="right") - 1, 0, bsz - 1)
     local_p = p - aoffs[sample_p]
     src = jnp.where(local_p < lens[sample_p], offs[sample_p] + local_p, t_cap)  # t_cap: zeros
-
-    def aligned(x):
-        return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
-
-    q, k, v = aligned(q), aligned(k), aligned(v)
+    ins = [jnp.take(x, src, axis=0, mode="fill", fill_value=0) for x in (q, k, v)]
+    if kind == "dq":
+        ins.append(jnp.take(do, src, axis=0, mode="fill", fill_value=0))
     start = aoffs[b] // 8  # in rows of 8: the kernel multiplies back
     n = jnp.where(valid != 0, lens[b], 0)
     c = jnp.zeros_like(n) if ctx is None else ctx[b]
     hist = n if cand is None else jnp.clip(n - cand[b], 0, n)
     meta = jnp.stack([start, n, c, hist, blk]).astype(jnp.int32)  # [5, num]
 
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
-    smem = functools.partial(plgpu.SMEM, transforms=(tiling, swizzle))
+    # A wgmma contracting over the key tiles' rows (P v, dS k) needs K to be a multiple of
+    # the swizzle's width (in elements), and both operands of a wgmma one swizzle: 32-row key
+    # tiles put every buffer on a 64-byte swizzle.
+    swizzle = min(128, bk * 2)
+    smem = functools.partial(
+        plgpu.SMEM,
+        transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)),
+    )
     interpreted = bool(interpret)
+    buffers = [
+        smem((2, bq, d_qk), q.dtype),
+        smem((stages, bk, d_qk), q.dtype),
+        smem((stages, bk, d_v), q.dtype),
+        smem((2, bq, bk), q.dtype) if interpreted else None,  # P / dS for the interpreter
+        smem((2, bq, d_out), q.dtype) if d_out != d_qk else None,
+    ]
+    barriers = [
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=2),
+    ]
+    if kind == "dq":
+        buffers.append(smem((2, bq, d_v), q.dtype))
+        barriers.append(plgpu.Barrier(num_barriers=2))
 
-    def entry(meta_ref, q_ref, k_ref, v_ref, o_ref):
+    def entry(meta_ref, *refs):
         pl.run_scoped(
-            lambda *scoped: _forward_kernel(
-                meta_ref, q_ref, k_ref, v_ref, o_ref, scoped,
-                tiles=tiles, alpha=alpha, normalizer=normalizer, interpreted=interpreted,
+            lambda *scoped: _query_kernel(
+                meta_ref, *refs, scoped, kind=kind, tiles=tiles, alpha=alpha,
+                normalizer=normalizer, interpreted=interpreted,
             ),
-            (
-                smem((2, bq, d_qk), q.dtype),
-                smem((stages, bk, d_qk), q.dtype),
-                smem((stages, bk, d_v), q.dtype),
-                smem((2, bq, bk), q.dtype) if interpreted else None,
-                smem((2, bq, d_v), q.dtype) if d_v != d_qk else None,
-            ),
-            (
-                plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=2),
-            ),
+            tuple(buffers),
+            tuple(barriers),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -328,7 +407,7 @@ def forward(
 
     tiles_out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((num * block, heads, d_v), q.dtype),
+        out_type=jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype),
         grid=(heads, num),
         grid_names=("heads", "pairs"),
         num_threads=3,
@@ -337,7 +416,7 @@ def forward(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup
         ),
         interpret=InterpretGPUParams() if interpret else None,
-    )(meta, q, k, v)
+    )(meta, *ins)
 
     # Each token's row in the CTA tiles: its (block, sample) pair's entry, then its offset.
     levels = -(-max_seqlen // block)
@@ -351,3 +430,15 @@ def forward(
     rows = entry_of[sample, level] * block + local % block
     out = jnp.take(tiles_out, rows, axis=0)
     return jnp.where((t < offs[-1])[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def forward(q, k, v, offs, ctx, cand, **kw):
+    """Forward HSTU attention (no biases) with the Mosaic GPU kernel: ``[T, H, Dv]`` in
+    ``q.dtype``, zero past ``offs[-1]``. ``ctx`` / ``cand`` are ``[B]`` int32 or None;
+    ``kw``: ``max_seqlen``, ``alpha``, ``normalizer``, ``tiles`` and ``interpret``."""
+    return _call("fwd", q, k, v, None, offs, ctx, cand, **kw)
+
+
+def backward_dq(q, k, v, do, offs, ctx, cand, **kw):
+    """The query gradient of the (bias-free) HSTU attention given dO: ``[T, H, Dqk]``."""
+    return _call("dq", q, k, v, do, offs, ctx, cand, **kw)

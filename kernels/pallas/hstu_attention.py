@@ -44,26 +44,22 @@ from ._common import KERNELS, BlockSizes, _approx_tanh, _Cfg, _next_pow2, defaul
 from ._forward import _forward
 
 __all__ = [
-    "FORWARDS",
+    "LOWERINGS",
     "KERNELS",
     "BlockSizes",
     "MosaicTiles",
     "default_block_sizes",
     "hstu_attention",
-    "mosaic_forward_problem",
+    "mosaic_problem",
 ]
 
-FORWARDS = ("triton", "mosaic", "auto")
+LOWERINGS = ("triton", "mosaic", "auto")
 MosaicTiles = _mosaic.MosaicTiles
 
 
 def _any_forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts):
-    if cfg.forward == "mosaic":
-        return _mosaic.forward(
-            q, k, v, offs, ctx, cand,
-            max_seqlen=cfg.max_seqlen, alpha=cfg.alpha, normalizer=cfg.normalizer,
-            tiles=cfg.mosaic_tiles, interpret=cfg.interpret,
-        )  # fmt: skip
+    if cfg.lowering == "mosaic":
+        return _mosaic.forward(q, k, v, offs, ctx, cand, **cfg.mosaic_kwargs("fwd"))
     return _forward(cfg, q, k, v, rab_pos, rab_time, offs, ctx, cand, ts)
 
 
@@ -114,7 +110,7 @@ def _check_int_vector(x, name: str, length: int):
         "normalizer",
         "block_sizes",
         "interpret",
-        "forward",
+        "lowering",
         "mosaic_tiles",
     ),
 )
@@ -134,8 +130,8 @@ def hstu_attention(
     rab_time: jax.Array | None = None,
     block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
     interpret: bool | None = None,
-    forward: str = "triton",
-    mosaic_tiles: MosaicTiles | None = None,
+    lowering: str = "triton",
+    mosaic_tiles: tuple[MosaicTiles, MosaicTiles] | None = None,
 ) -> jax.Array:
     """HSTU attention over a jagged batch (see ``kernels/README.md``).
 
@@ -151,11 +147,11 @@ def hstu_attention(
       block_sizes: tiling: one ``BlockSizes`` for every kernel, a (forward, backward) pair
         or a (forward, dk/dv, dq) triple; None: ``default_block_sizes`` of the head dim.
       interpret: run the Pallas interpreter; None means "when the default backend is CPU".
-      forward: the forward pass's kernel: ``triton`` (the Triton lowering of Pallas),
+      lowering: the Pallas lowering of the forward and dq kernels: ``triton`` (Triton),
         ``mosaic`` (Mosaic GPU, ``_mosaic.py``: jax >= 0.11, no biases, 16-bit inputs, head
-        dims up to 256; an error names what rules it out) or ``auto`` (Mosaic GPU where it
-        can run on a Hopper GPU, else Triton). The backward is the Triton lowering's.
-      mosaic_tiles: the Mosaic GPU forward's ``MosaicTiles`` (None: the defaults).
+        dims up to 256; an error names what rules a call out) or ``auto`` (Mosaic GPU where
+        it can run, compiled on a Hopper GPU; else Triton). dk / dv are Triton's either way.
+      mosaic_tiles: (forward, dq) ``MosaicTiles``; None: ``_mosaic.default_tiles``.
 
     Returns ``[T, H, Dv]`` in ``q.dtype`` (fp32 accumulation), zero past
     ``seq_offsets[-1]``. Differentiable in q, k, v, rab_pos and rab_time.
@@ -203,15 +199,17 @@ def hstu_attention(
         interpret = jax.default_backend() == "cpu"
     tiles = _resolve_blocks(block_sizes, max(d_qk, v.shape[2]), q.dtype, interpret)
 
-    if forward not in FORWARDS:
-        raise _err("forward", f"expected one of {FORWARDS}, got {forward!r}")
-    mosaic_tiles = MosaicTiles() if mosaic_tiles is None else mosaic_tiles
+    if lowering not in LOWERINGS:
+        raise _err("lowering", f"expected one of {LOWERINGS}, got {lowering!r}")
+    dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(v.shape[2])))  # Mosaic's padding
+    if mosaic_tiles is None:
+        mosaic_tiles = tuple(_mosaic.default_tiles(kind, *dims) for kind in _mosaic.KINDS)
     has_bias = rab_pos is not None or rab_time is not None
-    why = mosaic_forward_problem(q.dtype, d_qk, v.shape[2], has_bias, mosaic_tiles, interpret)
-    if forward == "mosaic" and why is not None:
-        raise _err("forward", f"the Mosaic GPU forward cannot run this call: {why}")
-    auto = forward == "auto" and why is None and not interpret  # never the interpreter
-    forward = "mosaic" if forward == "mosaic" or auto else "triton"
+    why = mosaic_problem(q.dtype, d_qk, v.shape[2], has_bias, mosaic_tiles, interpret)
+    if lowering == "mosaic" and why is not None:
+        raise _err("lowering", f"the Mosaic GPU kernels cannot run this call: {why}")
+    auto = lowering == "auto" and why is None and not interpret  # never the interpreter
+    lowering = "mosaic" if lowering == "mosaic" or auto else "triton"
 
     d_v = v.shape[2]
     if bsz == 0 or t_cap == 0:
@@ -228,12 +226,12 @@ def hstu_attention(
         pos_size=0 if rab_pos is None else int(rab_pos.shape[1]),
         time_size=0 if rab_time is None else int(rab_time.shape[1]),
         fast_math=(not interpret) and q.dtype != jnp.float32 and _approx_tanh is not None,
-        forward=forward,
+        lowering=lowering,
         mosaic_tiles=mosaic_tiles,
     )
     # Head dims padded to powers of two >= 16 (Triton tiles; >= 64 for Mosaic GPU's wgmma
     # tiles); zero columns are inert.
-    least = 64 if forward == "mosaic" else 16
+    least = 64 if lowering == "mosaic" else 16
     dqk_p = max(least, _next_pow2(d_qk))
     dv_p = max(least, _next_pow2(d_v))
     if dqk_p != d_qk:
@@ -255,11 +253,11 @@ def _on_hopper() -> bool:
     return devices[0].platform == "gpu" and str(cc).startswith("9")
 
 
-def mosaic_forward_problem(
-    dtype, d_qk: int, d_v: int, has_bias: bool, tiles: MosaicTiles, interpret: bool | None
+def mosaic_problem(
+    dtype, d_qk: int, d_v: int, has_bias: bool, tiles, interpret: bool | None
 ) -> str | None:
-    """None when ``forward="mosaic"`` can run a call of this shape here, else why not (the
-    head dims as given: they are padded to a power of two >= 64)."""
+    """None when ``lowering="mosaic"`` can run a call of this shape with ``tiles`` (forward,
+    dq) here, else why not. Head dims as given: they are padded to a power of two >= 64."""
     dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(d_v)))
     why = _mosaic.supports(dtype, *dims, has_bias, tiles)
     if why is None and not interpret and not _on_hopper():

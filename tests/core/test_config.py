@@ -41,7 +41,7 @@ def test_overrides_are_typed():
         ("balance.shuffler=random", "balance.shuffler"),
         ("data.seqlen_dist=bimodal", "data.seqlen_dist"),
         ("model.dropout=1.5", "model.dropout"),
-        ("model.pallas_forward=cutlass", "model.pallas_forward"),
+        ("model.pallas_lowering=cutlass", "model.pallas_lowering"),
         ("dist.world_size=-1", "dist.world_size"),
         ("train=3", "'train' is a section"),
         ("steps", "key.sub=value"),

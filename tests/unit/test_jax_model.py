@@ -194,16 +194,16 @@ def test_kernel_attention_matches_reference(sharding):
     np.testing.assert_allclose(float(ker), float(ref), rtol=1e-5)
 
 
-def test_pallas_forward_reaches_the_kernel(sharding):
-    """`model.pallas_forward=mosaic` runs the Mosaic GPU forward, or fails naming why it
+def test_pallas_lowering_reaches_the_kernel(sharding):
+    """`model.pallas_lowering=mosaic` runs the Mosaic GPU kernels, or fails naming why they
     cannot here (this fp32 model without biases: its dtype, before any other limit)."""
     no_bias = ("model.rab_position_buckets=0", "model.rab_time_buckets=0")
-    cfg = _cfg("ranking", "model.num_layers=1", "model.pallas_forward=mosaic", *no_bias)
+    cfg = _cfg("ranking", "model.num_layers=1", "model.pallas_lowering=mosaic", *no_bias)
     params = init_params(cfg.model, seed=2)
     host = dataset_from_config(cfg, 1, 0).batch(0)
-    with pytest.raises(ValueError, match="Mosaic GPU forward cannot run this call: dtype float32"):
+    with pytest.raises(ValueError, match="Mosaic GPU kernels cannot run this call: dtype float32"):
         _loss(cfg, params, host, sharding, impl="kernel")
-    cfg = _cfg("ranking", "model.num_layers=1", "model.pallas_forward=auto", *no_bias)
+    cfg = _cfg("ranking", "model.num_layers=1", "model.pallas_lowering=auto", *no_bias)
     ker, _ = _loss(cfg, params, host, sharding, impl="kernel")  # auto: triton here
     ref, _ = _loss(cfg, params, host, sharding, impl="reference")
     np.testing.assert_allclose(float(ker), float(ref), rtol=1e-5)
