@@ -180,15 +180,24 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         plgpu.wgmma(s_ref, a, b)
         return s_ref
 
-    def to_tensor_cores(t16, b_smem, acc_ref):
-        """``acc += t16 @ b``: t16 from registers (the interpreter's wgmma reads only shared
-        memory: there it goes through it)."""
+    def accumulate(t16, b_smem, acc_ref, kv, free, steps):
+        """A step's last matmul ``acc += t16 @ b`` (t16 from registers; the interpreter's
+        wgmma reads only shared memory, so there it goes through it), then: wait for the
+        next key tile, drain the wgmma and release ``free``, the slot it read."""
         if interpreted:
             t_smem2.at[wg][...] = t16
             plgpu.commit_smem()
             plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
         else:
             plgpu.wgmma(acc_ref, t16, b_smem)
+        nxt = kv + 1
+
+        @pl.when(nxt < steps)
+        def _():
+            plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
+
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(free)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -229,15 +238,7 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.barrier_arrive(turn)  # done with the elementwise work
             plgpu.barrier_wait(v_full.at[slot])
             plgpu.barrier_wait(turn)  # the tensor cores are ours
-            to_tensor_cores(p16, v_smem.at[slot], acc_ref)
-            nxt = kv + 1
-
-            @pl.when(nxt < steps)
-            def _():
-                plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(v_free.at[slot])
+            accumulate(p16, v_smem.at[slot], acc_ref, kv, v_free.at[slot], steps)
 
         def dq_step(acc_ref, kv, slot, masked):
             plgpu.barrier_wait(v_full.at[slot])
@@ -261,15 +262,7 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             ds16 = ds.astype(dtype)
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
-            to_tensor_cores(ds16, k_smem.at[slot], acc_ref)
-            nxt = kv + 1
-
-            @pl.when(nxt < steps)
-            def _():
-                plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(k_free.at[slot])
+            accumulate(ds16, k_smem.at[slot], acc_ref, kv, k_free.at[slot], steps)
 
         step = fwd_step if kind == "fwd" else dq_step
 
