@@ -98,7 +98,9 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
         "rank_compute_ms_after": _rank_median(probes, "compute_s_after", world),
         "balancer_ms": 1e3 * _med(r["balancer_s"] for r in use),
         "exposed_balancer_ms": 1e3 * _med(r["exposed_balancer_s"] for r in use),
-        "padding_waste": _med(r["padding_waste"] for r in use),
+        # the data's padding, warm-up included: the mean over every step, as issue 13's bound
+        # and scripts/padding_table.py count it (a median hides the few heavily padded steps)
+        "padding_waste": float(np.mean([r["padding_waste"] for r in rows])),
         "num_compiles": max(r.get("num_compiles", 0) for r in rows),
         "loss_last": runs[-1][-1]["loss"],
         # means, not medians: they add up, so the phases account for the mean step exactly

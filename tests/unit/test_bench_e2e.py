@@ -190,3 +190,30 @@ def test_e2e_bench_repeats_alternate_and_pool(tmp_path, capsys):
         for rnd in (0, 1):
             assert (tmp_path / name / f"run{rnd}" / "metrics.jsonl").is_file()
     assert "[4/4] torch/balanced/allgather" in printed and "per run (rounds" in printed
+
+
+def test_padding_is_the_mean_over_every_step():
+    """Issue 13 bounds the padding "on average": a run whose steps mostly fit their capacity
+    exactly but pad a few heavily reports the mean (warm-up included), not the median (0)."""
+    from hstu.bench.e2e import summarize_run
+
+    def row(step, waste):
+        return {
+            "step": step,
+            "step_time_s": 0.01,
+            "tokens_per_s": 1e5,
+            "tflops_per_device": 1.0,
+            "imbalance_before": 1.0,
+            "imbalance_after": 1.0,
+            "balancer_s": 0.0,
+            "exposed_balancer_s": 0.0,
+            "padding_waste": waste,
+            "num_compiles": 1,
+            "loss": 1.0,
+            "host_s": dict.fromkeys(HOST_PHASES, 0.01 / len(HOST_PHASES)),
+        }
+
+    wastes = [0.5, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.2]
+    out = summarize_run([[row(i, w) for i, w in enumerate(wastes)]], world=1)
+    assert out["padding_waste"] == pytest.approx(0.1)
+    assert out["num_compiles"] == 1 and out["steps"] == 10
