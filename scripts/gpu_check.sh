@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab
-#                                               kab optim mosaic
+#                                               kab optim mosaic recipes
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -183,6 +183,12 @@ print('torchrec', torchrec.__version__)" ;;
             --out /tmp/mosaic_e2e_$f model.pallas_lowering=$f
         done
       fi ;;
+    recipes)
+      # the shipped recipes on generated publisher-format samples (issue 15), both backends,
+      # each training in its own process: $RECIPE_STEPS steps, then the test split
+      run recipes python scripts/recipe_quality.py --recipes ${RECIPES:-ml1m_retrieval,kuairand_ranking,ml20m_retrieval} \
+        --backends $E2E_BACKENDS --steps ${RECIPE_STEPS:-300} --work /tmp/recipes \
+        --json "$OUT/recipes.json" ;;
     simcheck)
       # the simulation against a real run on this one GPU (W=1, identity, the same batches):
       # the per-rank timer must price a step as the run does
