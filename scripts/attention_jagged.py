@@ -129,7 +129,28 @@ def _triton_resources():
                 )
 
 
-def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton"):
+def _jax_profile(fn, args, calls: int = 5) -> None:
+    """Every device kernel and host thread of ``calls`` calls of ``fn`` (jax.profiler; per call):
+    what the jagged wrappers add around the attention kernels."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+    from profile_step import summarize_trace
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="hstu-attn-trace-")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    jax.profiler.stop_trace()
+    pattern = os.path.join(trace_dir, "**", "*.json.gz")
+    summarize_trace(sorted(glob.glob(pattern, recursive=True))[-1], calls, top=12)
+
+
+def _jax_case(
+    lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False
+):
     import jax
     import jax.numpy as jnp
     from hstu_kernels.pallas import hstu_attention
@@ -151,6 +172,12 @@ def _jax_case(lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowerin
     fwd = jax.jit(attn)
     fwd_bwd = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](g))
 
+    if profile:
+        print(f"  -- forward, {lowering} lowering")
+        _jax_profile(fwd, (q, k, v))
+        print(f"  -- forward + backward, {lowering} lowering")
+        _jax_profile(fwd_bwd, (q, k, v))
+
     def timed(fn):
         jax.block_until_ready(fn(q, k, v))
         times = []
@@ -170,7 +197,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--profile", action="store_true", help="torch: kernels of one fwd+bwd")
+    ap.add_argument("--profile", action="store_true", help="per-kernel time of the first case")
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
     args = ap.parse_args(argv)
@@ -184,7 +211,8 @@ def main(argv=None) -> None:
         if args.backend == "torch":
             f_ms, fb_ms = _torch_case(*shape, timed, args.profile)
         else:
-            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering)
+            profile = args.profile and name == "upstream seed 0"
+            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip

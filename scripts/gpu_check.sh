@@ -207,9 +207,12 @@ print('torchrec', torchrec.__version__)" ;;
       # what the AdamW update costs: optax per leaf / small leaves flattened / torch fused
       run optimizer_timing python scripts/optimizer_timing.py --config bench_upstream ;;
     profile)
-      for backend in torch jax; do
+      # scripts/profile_step.py on bench_upstream: $PROFILE_STEPS steps, 3 traced from
+      # $PROFILE_AT (past the steps that capture graphs or compile), overrides $PROFILE_ARGS
+      for backend in ${PROFILE_BACKENDS:-torch jax}; do
         run "profile_$backend" python scripts/profile_step.py --backend $backend \
-          --config bench_upstream --steps 14 --profile-at 10
+          --config bench_upstream --steps ${PROFILE_STEPS:-40} --profile-at ${PROFILE_AT:-32} \
+          --profile-steps 3 ${PROFILE_ARGS:-}
       done ;;
     e2e2)
       # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all ($E2E2_EXCHANGES), in

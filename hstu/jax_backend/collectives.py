@@ -99,6 +99,23 @@ def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
+def segment_ids(ends: jax.Array, size: int) -> jax.Array:
+    """`[size]` int32: the segment holding each position `0 .. size - 1`, given the segments'
+    non-decreasing exclusive `ends`, clipped to the last segment; exactly
+    `clip(searchsorted(ends, pos, side="right"), 0, len(ends) - 1)`.
+
+    jnp.searchsorted's default method is a binary search written as a loop, which XLA runs as a
+    loop of small kernels inside the step. Comparing every position with every end is one fused
+    reduction while `len(ends) * size` is small (a batch's samples against its tokens); past
+    that, one sort of both."""
+    n = ends.shape[0]
+    method = "compare_all" if n * size <= 1 << 24 else "sort"
+    pos = jnp.arange(size, dtype=ends.dtype)
+    return jnp.clip(jnp.searchsorted(ends, pos, side="right", method=method), 0, n - 1).astype(
+        jnp.int32
+    )
+
+
 def segment_gather(
     src: jax.Array, starts: jax.Array, lengths: jax.Array, capacity: int
 ) -> jax.Array:
@@ -108,7 +125,7 @@ def segment_gather(
     """
     ends = jnp.cumsum(lengths)
     pos = jnp.arange(capacity, dtype=ends.dtype)
-    seg = jnp.clip(jnp.searchsorted(ends, pos, side="right"), 0, lengths.shape[0] - 1)
+    seg = segment_ids(ends, capacity)
     idx = starts[seg] + pos - (ends[seg] - lengths[seg])
     out = jnp.take(src, jnp.clip(idx, 0, src.shape[0] - 1))
     return jnp.where(pos < ends[-1], out, jnp.zeros_like(out))

@@ -202,7 +202,8 @@ def plan_route(uniq: jax.Array, lay: TableLayout, axis: str) -> dict:
     """Send each distinct id to its owner; returns the route (`start`, `count` `[W]`: the run of
     `uniq` each owner got; `recv [W, C]`: the ids each source rank sent here)."""
     w, rl, c = lay.world_size, lay.rows_per_rank, _capacity(uniq.shape[0], lay)
-    edges = jnp.searchsorted(uniq, jnp.arange(w + 1, dtype=uniq.dtype) * rl).astype(jnp.int32)
+    bounds = jnp.arange(w + 1, dtype=uniq.dtype) * rl  # W + 1 queries: compare each id once
+    edges = jnp.searchsorted(uniq, bounds, method="compare_all").astype(jnp.int32)
     start, count = edges[:-1], edges[1:] - edges[:-1]
     send = _runs(uniq, start, count, c, lay.sentinel)
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # [W src, C]
@@ -262,7 +263,9 @@ def cached_lookup(cache_ids: jax.Array, cache_rows: jax.Array, ids: jax.Array, n
     """Rows of `ids` (any shape) from a rank's cache. An id the cache lacks is capacity padding
     (every real id was fetched): a zero row, masked by the model; an id out of `[0, rows)`
     reads NaN, as the dense lookup does."""
-    idx = jnp.clip(jnp.searchsorted(cache_ids, ids), 0, cache_ids.shape[0] - 1)
+    # one sort of both instead of the default binary search (a loop of kernels on a GPU)
+    idx = jnp.searchsorted(cache_ids, ids, method="sort")
+    idx = jnp.clip(idx, 0, cache_ids.shape[0] - 1)
     in_range = ((ids >= 0) & (ids < num_rows))[..., None]
     found = (cache_ids[idx] == ids)[..., None] & in_range  # never the sentinel's zero row
     miss = jnp.where(in_range, 0.0, jnp.nan).astype(cache_rows.dtype)

@@ -22,6 +22,7 @@ import optax
 from hstu.config import ModelConfig
 from hstu.jax_backend.attention import AttentionConfig, hstu_attention
 from hstu.jax_backend.batch import DeviceBatch
+from hstu.jax_backend.collectives import segment_ids
 from hstu.jax_backend.embedding import cached_lookup
 
 LN_EPS = 1e-6
@@ -37,11 +38,12 @@ def _excl(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x) - x
 
 
-def _owner(lengths: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sample owning each packed position, and the position's index inside that sample."""
+def _owner(lengths: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """For each packed position `0 .. size - 1`: the sample owning it, and the position's index
+    inside that sample."""
     ends = jnp.cumsum(lengths)
-    sample = jnp.clip(jnp.searchsorted(ends, pos, side="right"), 0, lengths.shape[0] - 1)
-    return sample, pos - (ends[sample] - lengths[sample])
+    sample = segment_ids(ends, size)
+    return sample, jnp.arange(size, dtype=ends.dtype) - (ends[sample] - lengths[sample])
 
 
 def token_layout(batch: DeviceBatch) -> dict[str, jax.Array]:
@@ -52,7 +54,7 @@ def token_layout(batch: DeviceBatch) -> dict[str, jax.Array]:
     length, k = batch.lengths["item"], batch.lengths["candidate"]
     n = c + 2 * length + k
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n)])
-    sample, p = _owner(n, jnp.arange(t_cap, dtype=jnp.int32))
+    sample, p = _owner(n, t_cap)
     valid = jnp.arange(t_cap) < offsets[-1]
     hist_pos = p - c[sample]
     is_ctx = valid & (p < c[sample])
@@ -254,8 +256,7 @@ class HSTUModel(nn.Module):
 
     def _candidate_logits(self, batch, z, lay):
         k = batch.lengths["candidate"]
-        cpos = jnp.arange(batch.spec.capacity("candidate"), dtype=jnp.int32)
-        sample, j = _owner(k, cpos)
+        sample, j = _owner(k, batch.spec.capacity("candidate"))
         tok = (
             lay["offsets"][sample]
             + lay["num_contextual"][sample]
@@ -277,7 +278,7 @@ class HSTUModel(nn.Module):
     def _retrieval(self, batch, z, lay, denom, tables=None):
         length, r = batch.lengths["item"], self.cfg.num_negatives
         epos = jnp.arange(batch.spec.capacity("item"), dtype=jnp.int32)
-        sample, l_ = _owner(length, epos)
+        sample, l_ = _owner(length, epos.shape[0])
         valid = (epos < jnp.sum(length)) & (l_ < length[sample] - 1)
         tok = lay["offsets"][sample] + lay["num_contextual"][sample] + 2 * l_ + 1
         query = _normalize(z[jnp.clip(tok, 0, z.shape[0] - 1)].astype(jnp.float32))

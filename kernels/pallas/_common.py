@@ -23,6 +23,20 @@ try:  # the Triton-specific Pallas API (load/store with masks, compiler params)
 except ImportError:  # pragma: no cover - very old / stripped jax builds
     _plgpu = None
 
+
+def sample_of(ends: jax.Array, size: int) -> jax.Array:
+    """``[size]`` int32: the sample holding each row ``0 .. size - 1`` given the samples'
+    non-decreasing exclusive ``ends``, clipped to ``[0, len(ends) - 1]``; exactly
+    ``clip(searchsorted(ends, row, side="right"), 0, len(ends) - 1)``. Not jnp.searchsorted's
+    default binary search, which XLA runs as a loop of small kernels: one fused comparison of
+    every row with every end while that is small (a batch's samples), one sort beyond."""
+    n = ends.shape[0]
+    method = "compare_all" if n * size <= 1 << 24 else "sort"
+    rows = jnp.arange(size, dtype=ends.dtype)
+    out = jnp.searchsorted(ends, rows, side="right", method=method)
+    return jnp.clip(out, 0, n - 1).astype(jnp.int32)
+
+
 # --------------------------------------------------------------------------------------
 # Version compatibility shim (jax 0.10.x and 0.11.x).
 #

@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..schedule import pairs, schedule
+from ._common import sample_of
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -349,7 +350,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     aoffs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + 7) // 8 * 8)])
     t_al = -(-t_cap // 8) * 8 + 8 * bsz  # static bound on aoffs[-1]
     p = jnp.arange(t_al, dtype=jnp.int32)
-    sample_p = jnp.clip(jnp.searchsorted(aoffs, p, side="right") - 1, 0, bsz - 1)
+    sample_p = sample_of(aoffs[1:], t_al)
     local_p = p - aoffs[sample_p]
     src = jnp.where(local_p < lens[sample_p], offs[sample_p] + local_p, t_cap)  # t_cap: zeros
     ins = [jnp.take(x, src, axis=0, mode="fill", fill_value=0) for x in (q, k, v)]
@@ -418,7 +419,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     entry_of = jnp.zeros((bsz, levels), jnp.int32)
     entry_of = entry_of.at[owner, blk].set(jnp.arange(num, dtype=jnp.int32), mode="drop")
     t = jnp.arange(t_cap, dtype=jnp.int32)
-    sample = jnp.clip(jnp.searchsorted(offs, t, side="right") - 1, 0, bsz - 1)
+    sample = sample_of(offs[1:], t_cap)
     local = t - offs[sample]
     level = jnp.clip(local // block, 0, levels - 1)
     rows = entry_of[sample, level] * block + local % block

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._common import sample_of
+
 __all__ = [
     "hstu_attention_reference",
     "hstu_mask_reference",
@@ -128,8 +130,7 @@ def hstu_attention_reference(
     tok = jnp.arange(t_cap, dtype=jnp.int32)
     if bsz == 0:
         return jnp.zeros((t_cap, h, v.shape[2]), out_dtype)
-    sample = jnp.searchsorted(offs[1:], tok, side="right").astype(jnp.int32)
-    sample_c = jnp.clip(sample, 0, bsz - 1)
+    sample_c = sample_of(offs[1:], t_cap)
     local = tok - offs[sample_c]
     tok_valid = (tok < offs[-1]) & (local >= 0) & (local < n_max)
     out = od[sample_c, jnp.clip(local, 0, n_max - 1)]  # [T, H, Dv]
