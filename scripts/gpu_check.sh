@@ -88,11 +88,13 @@ print('torchrec', torchrec.__version__)" ;;
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
     attention)
-      # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches)
+      # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
+      # jax in both Pallas lowerings of its forward / dq kernels ($ATTN_LOWERINGS)
       for backend in torch jax; do
+        extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
           --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims 64,128,256 \
-          --max-tokens 65536 --out /tmp/attention
+          --max-tokens 65536 --out /tmp/attention $extra
         cp /tmp/attention/attention_$backend.json "$OUT/"
       done
       cp /tmp/attention/attention_*_d128.png "$OUT/" ;;

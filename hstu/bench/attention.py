@@ -2,7 +2,7 @@
 
     hstu bench attention --backend {torch,jax} [--batches 1,2,...,128] [--seqlens 64,...,8192]
         [--dims 64,128,256] [--heads 4] [--dtype bf16] [--jagged zipf] [--rab] [--no-sdpa]
-        [--max-tokens N] [--warmup W] [--repeats R] [--out DIR]
+        [--lowerings triton,mosaic] [--max-tokens N] [--warmup W] [--repeats R] [--out DIR]
 
 For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-tokens`:
 
@@ -17,7 +17,10 @@ For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-token
 * `--jagged zipf`: besides the equal-length batch, a batch of Zipf(1.2) lengths in [16, S] with
   the same token count, so the cost of raggedness reads off one table (`jagged / equal`);
 * torch also times `scaled_dot_product_attention` (causal softmax, the flash kernel on a GPU)
-  on the equal-length batches, the yardstick of the kernel targets (`--no-sdpa` skips it).
+  on the equal-length batches, the yardstick of the kernel targets (`--no-sdpa` skips it);
+* jax runs the grid once per `--lowerings` entry (the forward and dq kernels' Pallas lowering:
+  `triton`, kernel `pallas`; `mosaic`, kernel `mosaic`, which needs a Hopper GPU, jax >= 0.11,
+  16-bit inputs and no `--rab`: a lowering that cannot run the grid is named before any work).
 
 Writes `attention_<backend>.json` (every point, with the check's errors) and one heatmap PNG
 per kernel and head dim (forward + backward TFLOP/s over batch x seqlen) under `--out`. On a
@@ -292,6 +295,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _lowerings(text: str) -> tuple[str, ...]:
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not values or not set(values) <= {"triton", "mosaic"}:
+        raise argparse.ArgumentTypeError(f"expected a list of triton, mosaic; got {text!r}")
+    return values
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hstu bench attention",
@@ -307,6 +317,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jagged", choices=["none", "zipf"], default="zipf")
     ap.add_argument("--rab", action="store_true", help="relative position and time biases")
     ap.add_argument("--no-sdpa", action="store_true", help="torch: skip the SDPA yardstick")
+    ap.add_argument(
+        "--lowerings",
+        type=_lowerings,
+        default=("triton",),
+        help="jax: the Pallas lowerings of the forward / dq kernels to run, of triton,mosaic",
+    )
     ap.add_argument(
         "--max-tokens", type=int, default=1 << 18, help="skip points with B * S above this"
     )
@@ -327,27 +343,38 @@ def main(argv: list[str] | None = None) -> int:
         raise HSTUError(why)
     cases = grid(args)
     if args.backend == "torch":
+        if args.lowerings != ("triton",):
+            raise HSTUError("--lowerings is for --backend jax (the torch kernel is Triton's)")
         from hstu.torch_backend.bench_attention import Runner
+
+        runners = [Runner(sdpa=not args.no_sdpa)]
     else:
         from hstu.jax_backend.bench_attention import Runner
-    runner = Runner(sdpa=not args.no_sdpa)
-    print(f"# {runner.kernel} HSTU attention on {runner.device}: {len(cases)} cases")
-    points = run(runner, cases, args.warmup, args.repeats)
+
+        runners = [Runner(lowering=lowering) for lowering in args.lowerings]
+        for runner in runners:
+            why = runner.problem(args.dims, args.dtype, args.rab)
+            if why:
+                raise HSTUError(f"--lowerings {runner.lowering}: {why}")
+    points = []
+    for runner in runners:
+        print(f"# {runner.kernel} HSTU attention on {runner.device}: {len(cases)} cases")
+        points += run(runner, cases, args.warmup, args.repeats)
     print(table(points))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "backend": args.backend,
-        "kernel": runner.kernel,
-        "device": runner.device,
-        "interpret": runner.interpret,
+        "kernels": [r.kernel for r in runners],
+        "device": runners[0].device,
+        "interpret": runners[0].interpret,
         "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
         "fwd_bwd_factor": FWD_BWD_FACTOR,
         "points": [p.as_dict() for p in points],
     }
     path = out / f"attention_{args.backend}.json"
     path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
-    pngs = heatmaps(points, out, f"{runner.device}, {args.dtype}, H={args.heads}")
+    pngs = heatmaps(points, out, f"{runners[0].device}, {args.dtype}, H={args.heads}")
     print(f"wrote {path} and {len(pngs)} heatmap(s) under {out}")
     failed = [p for p in points if not p.check.get("ok")]
     if failed:

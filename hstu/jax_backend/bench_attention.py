@@ -1,6 +1,8 @@
-"""The JAX half of `hstu bench attention`: our Pallas kernel, checked against the jnp fp32
-reference, timed by wall clock around `jax.block_until_ready` of a jitted call (one dispatch
-included). On a CPU the kernel runs in the Pallas interpreter (timings then meaningless)."""
+"""The JAX half of `hstu bench attention`: our Pallas kernel in one lowering of its forward and
+dq kernels (`pallas`: Triton's; `mosaic`: Mosaic GPU's, dk/dv Triton-lowered in both), checked
+against the jnp fp32 reference, timed by wall clock around `jax.block_until_ready` of a jitted
+call (one dispatch included). On a CPU the kernel runs in the Pallas interpreter (timings then
+meaningless)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,30 @@ TIME_BUCKETS = 32
 TABLES = ("rab_pos", "rab_time")
 
 
-class Runner:
-    kernel = "pallas"
+KERNEL_NAMES = {"triton": "pallas", "mosaic": "mosaic"}  # lowering -> kernel in tables, files
 
-    def __init__(self, sdpa: bool = True):  # no softmax yardstick on this side
+
+class Runner:
+    def __init__(self, sdpa: bool = True, lowering: str = "triton"):  # no softmax yardstick here
         from hstu_kernels.pallas import hstu_attention
         from hstu_kernels.pallas.reference import hstu_attention_reference
 
         self.interpret = jax.default_backend() == "cpu"
         self.fn, self.reference = hstu_attention, hstu_attention_reference
         self.device = jax.devices()[0].device_kind
+        self.lowering, self.kernel = lowering, KERNEL_NAMES[lowering]
+
+    def problem(self, dims, dtype: str, rab: bool) -> str | None:
+        """Why this lowering cannot run the grid's head dims here (None: it can)."""
+        if self.lowering != "mosaic":
+            return None
+        from hstu_kernels.pallas import mosaic_problem
+
+        for d in dims:
+            why = mosaic_problem(DTYPES[dtype], d, d, rab, None, self.interpret)
+            if why is not None:
+                return f"head dim {d}: {why}"
+        return None
 
     def inputs(self, case: Case, seed: int = 0):
         """(q, k, v, grad_out), seq_offsets, static keyword arguments, bias tables."""
@@ -62,7 +78,7 @@ class Runner:
         return jax.jit(fwd), jax.jit(fwd_bwd)
 
     def _kernel(self, *args, **kwargs):
-        return self.fn(*args, **kwargs, interpret=self.interpret)
+        return self.fn(*args, **kwargs, interpret=self.interpret, lowering=self.lowering)
 
     def check(self, case: Case) -> dict[str, float]:
         """max |kernel - reference| / max |reference| of the output and every gradient."""

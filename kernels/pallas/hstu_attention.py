@@ -257,8 +257,11 @@ def mosaic_problem(
     dtype, d_qk: int, d_v: int, has_bias: bool, tiles, interpret: bool | None
 ) -> str | None:
     """None when ``lowering="mosaic"`` can run a call of this shape with ``tiles`` (forward,
-    dq) here, else why not. Head dims as given: they are padded to a power of two >= 64."""
+    dq; None: the defaults for these head dims) here, else why not. Head dims as given: they
+    are padded to a power of two >= 64."""
     dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(d_v)))
+    if tiles is None:
+        tiles = tuple(_mosaic.default_tiles(kind, *dims) for kind in _mosaic.KINDS)
     why = _mosaic.supports(dtype, *dims, has_bias, tiles)
     if why is None and not interpret and not _on_hopper():
         why = "no Hopper GPU (wgmma needs compute capability 9.x)"

@@ -86,3 +86,19 @@ def test_bench_attention_checks_times_and_writes(backend, tmp_path, capsys):
         flops = 4.0 * p["case"]["pairs"] * 2 * 16
         assert p["fwd_tflops"] == pytest.approx(flops / p["fwd_ms"] / 1e9)
     assert (tmp_path / f"attention_{kernel}_d16.png").stat().st_size > 1000
+
+
+def test_lowerings_are_checked_before_any_work(tmp_path, capsys):
+    base = ["bench", "attention", "--batches", "1", "--seqlens", "16", "--dims", "16"]
+    base += ["--out", str(tmp_path)]
+    with pytest.raises(SystemExit):  # argparse: not a lowering
+        main([*base, "--backend", "jax", "--lowerings", "triton,cuda"])
+    assert ba._lowerings("mosaic, triton,mosaic") == ("mosaic", "triton")
+    if backends.available("torch")[0]:
+        assert main([*base, "--backend", "torch", "--lowerings", "mosaic"]) == 2
+        assert "--lowerings is for --backend jax" in capsys.readouterr().err
+    if backends.available("jax")[0]:  # fp32 here: Mosaic GPU takes 16-bit inputs only
+        argv = [*base, "--backend", "jax", "--dtype", "fp32", "--lowerings", "triton,mosaic"]
+        assert main(argv) == 2
+        assert "--lowerings mosaic: head dim 16: dtype float32" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -185,3 +185,20 @@ def test_compiled_kernels_match_the_reference(dim):
     want, want_grads = run(lambda q, k, v: _reference(q, k, v, offs, **kw))
     assert _rel_err(out, want) < 1e-2
     assert _rel_err(grads[0], want_grads[0]) < 2e-2  # dq: the Mosaic GPU kernel
+
+
+@needs_mosaic
+@needs_threads
+def test_bench_attention_runs_the_mosaic_lowering():
+    """`hstu bench attention --backend jax --lowerings mosaic`: its runner passes the lowering
+    to the kernel and checks it against the reference before any timing."""
+    from hstu.bench.attention import Case, verdict
+    from hstu.jax_backend.bench_attention import Runner
+
+    runner = Runner(lowering="mosaic")
+    assert runner.kernel == "mosaic" and runner.problem((64,), "bf16", rab=False) is None
+    assert "relative biases" in runner.problem((64,), "bf16", rab=True)
+    case = Case(2, 48, 64, 1, "bf16", "zipf", (48, 21))
+    result = verdict(runner.check(case), "bf16")
+    assert result["ok"], result
+    assert set(result["errors"]) == {"out", "dq", "dk", "dv"}
