@@ -17,12 +17,15 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 
 
-def summarize_trace(path: str, steps: int, top: int = 25) -> None:
-    """Device kernels by total time, and every host thread's busy time (Chrome-trace JSON)."""
+def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = None) -> None:
+    """Device kernels by total time, and every host thread's busy time (Chrome-trace JSON).
+    `hlo_dir`: XLA's dump of the optimized modules (jax, `--hlo`); each top kernel that is an XLA
+    fusion is followed by the fusion's instruction (operand and result shapes) and its root."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path) as f:
         trace = json.load(f)
@@ -34,6 +37,12 @@ def summarize_trace(path: str, steps: int, top: int = 25) -> None:
                 "name"
             ]
     groups = collections.defaultdict(list)
+    modules = {}  # kernel name -> the HLO module that ran it (jax traces carry it)
+    for e in events:
+        args = e.get("args") or {}
+        if "hlo_module" in args:
+            modules[e["name"]] = args["hlo_module"]
+    hlo = _HloIndex(hlo_dir) if hlo_dir else None
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
             process = names.get((e["pid"], None), e["pid"])
@@ -54,6 +63,53 @@ def summarize_trace(path: str, steps: int, top: int = 25) -> None:
         print(f"\n== {where}: busy {busy / 1e3 / steps:.2f} ms per step")
         for name, us in total.most_common(top):
             print(f"  {us / 1e3 / steps:9.3f} ms/step  x{count[name] / steps:<6.1f} {name[:90]}")
+            if hlo is not None and name in modules:
+                for line in hlo.describe(modules[name], name):
+                    print(f"      {line[:200]}")
+
+
+class _HloIndex:
+    """Fusion instructions of the optimized modules XLA dumped (`--xla_dump_hlo_as_text`)."""
+
+    def __init__(self, root: str):
+        self.files = sorted(glob.glob(os.path.join(root, "*after_optimizations.txt")))
+        self.cache = {}
+
+    def _module(self, module: str) -> str:
+        if module not in self.cache:
+            # file names: module_NNNN.<module name>.sm_90_gpu_after_optimizations.txt
+            hits = [f for f in self.files if f".{module}." in os.path.basename(f)]
+            self.cache[module] = ""
+            if hits:
+                with open(max(hits, key=os.path.getsize)) as f:
+                    self.cache[module] = f.read()
+        return self.cache[module]
+
+    def describe(self, module: str, op: str) -> list[str]:
+        text = self._module(module)
+        m = re.search(rf"^\s*(?:ROOT )?%?{re.escape(op)} = (.*)$", text, re.M)
+        if not m:
+            return []
+        inst = m.group(1).strip()
+        lines = [inst.split(", metadata=")[0]]
+        op_name = re.search(r'op_name="([^"]*)"', inst)
+        if op_name:  # the jax source of the fusion: its outermost op names the model part
+            lines.append("from: " + op_name.group(1)[-150:])
+        calls = re.search(r"calls=%?([\w.\-]+)", inst)
+        if calls:
+            body = re.search(
+                rf"^%?{re.escape(calls.group(1))} .*?\{{\n(.*?)^\}}", text, re.M | re.S
+            )
+            if body:
+                ops = re.findall(r"= \S+ (\w[\w-]*)\(", body.group(1))
+                root = re.search(r"ROOT .*", body.group(1))
+                lines.append(
+                    "ops: "
+                    + " ".join(f"{k}x{v}" for k, v in collections.Counter(ops).most_common(8))
+                )
+                if root:
+                    lines.append(root.group(0).strip().split(", metadata=")[0])
+        return lines
 
 
 def main(argv=None):
@@ -66,9 +122,20 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--profile-at", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument(
+        "--hlo",
+        action="store_true",
+        help="jax: dump the optimized HLO (a temporary folder) and name each top kernel's fusion",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "/tmp")
+    hlo_dir = None
+    if args.hlo and args.backend == "jax":  # before jax starts its backend
+        hlo_dir = tempfile.mkdtemp(prefix="hstu-hlo-")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={hlo_dir} --xla_dump_hlo_as_text"
+        ).strip()
     run_dir = tempfile.mkdtemp(prefix="hstu-profile-")
     cfg = load_config(
         args.config,
@@ -118,7 +185,7 @@ def main(argv=None):
     times = [1e3 * r["step_time_s"] for r in rows]
     print("step ms:", " ".join(f"{t:.1f}" for t in times))
     print(f"median after 3: {statistics.median(times[3:]):.2f} ms; profiled {first}..{last}")
-    summarize_trace(trace, last - first + 2)
+    summarize_trace(trace, last - first + 2, hlo_dir=hlo_dir)
 
 
 def _train_torch(cfg, hook):
