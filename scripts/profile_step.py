@@ -41,7 +41,12 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
     for e in events:
         args = e.get("args") or {}
         if "hlo_module" in args:
-            modules[e["name"]] = args["hlo_module"]
+            # the program id tells apart the modules of one name (jax: one per token capacity)
+            # (the instruction: `hlo_op`; the event's name is the kernel, which XLA may share)
+            op = args.get("hlo_op", e["name"])
+            if op.startswith("command_buffer"):  # a kernel replayed from a command buffer:
+                op = re.sub(r"_(\d+)$", r".\1", e["name"])  # named after its fusion
+            modules[e["name"]] = (args["hlo_module"], args.get("program_id"), op)
     hlo = _HloIndex(hlo_dir) if hlo_dir else None
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
@@ -64,7 +69,7 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
         for name, us in total.most_common(top):
             print(f"  {us / 1e3 / steps:9.3f} ms/step  x{count[name] / steps:<6.1f} {name[:90]}")
             if hlo is not None and name in modules:
-                for line in hlo.describe(modules[name], name):
+                for line in hlo.describe(*modules[name]):
                     print(f"      {line[:200]}")
 
 
@@ -75,18 +80,22 @@ class _HloIndex:
         self.files = sorted(glob.glob(os.path.join(root, "*after_optimizations.txt")))
         self.cache = {}
 
-    def _module(self, module: str) -> str:
-        if module not in self.cache:
+    def _module(self, module: str, program_id) -> str:
+        key = (module, program_id)
+        if key not in self.cache:
             # file names: module_NNNN.<module name>.sm_90_gpu_after_optimizations.txt
             hits = [f for f in self.files if f".{module}." in os.path.basename(f)]
-            self.cache[module] = ""
+            prefix = f"module_{str(program_id):0>4}."
+            exact = [f for f in hits if os.path.basename(f).startswith(prefix)]
+            hits = exact or hits  # without the id: the largest module of the name
+            self.cache[key] = ""
             if hits:
                 with open(max(hits, key=os.path.getsize)) as f:
-                    self.cache[module] = f.read()
-        return self.cache[module]
+                    self.cache[key] = f.read()
+        return self.cache[key]
 
-    def describe(self, module: str, op: str) -> list[str]:
-        text = self._module(module)
+    def describe(self, module: str, program_id, op: str) -> list[str]:
+        text = self._module(module, program_id)
         m = re.search(rf"^\s*(?:ROOT )?%?{re.escape(op)} = (.*)$", text, re.M)
         if not m:
             return []

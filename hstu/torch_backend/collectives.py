@@ -30,6 +30,9 @@ from hstu.torch_backend.batch import TorchBatch, make_kjt, select_segments
 
 def _gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     # torch >= 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
+    if dist.get_world_size(group) == 1:  # one rank: a copy, no NCCL launch on the host
+        out.copy_(inp.view(out.shape))
+        return
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
 
@@ -49,6 +52,8 @@ def allgather_stats(
     stats = np.ascontiguousarray(local_stats, dtype=np.int64)
     if stats.ndim != 2:
         raise HSTUError(f"allgather_stats: stats must be 2-D [B, S], got {list(stats.shape)}")
+    if world_size == 1:  # nothing to gather: no device round trip (and no wait for it)
+        return stats.copy()
     local = torch.from_numpy(stats).to(device)
     out = torch.empty(
         (world_size * stats.shape[0], stats.shape[1]), dtype=torch.int64, device=device

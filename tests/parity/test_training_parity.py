@@ -27,8 +27,14 @@ from hstu.testing import DEMO_CONFIG  # noqa: E402
 
 RTOL = 1e-4
 BACKENDS = ("torch", "jax")
-RUNS = [("identity", "allgather"), ("balanced", "allgather"), ("balanced", "all2all")]
-RUN_IDS = ["identity", "balanced-allgather", "balanced-all2all"]
+# The all2all runs (~20 s of the two backends' 4-rank runs) are in the slow tier: `make test`
+# keeps its 10-minute bound, and the all2all exchange itself is checked against the allgather
+# one in the main tier (tests/multirank/test_torch_exchange.py, test_exchange_parity.py).
+RUNS = [
+    pytest.param("identity", "allgather", id="identity"),
+    pytest.param("balanced", "allgather", id="balanced-allgather"),
+    pytest.param("balanced", "all2all", id="balanced-all2all", marks=pytest.mark.slow),
+]
 pytestmark = pytest.mark.multirank
 
 
@@ -46,7 +52,7 @@ def test_golden_file_is_the_demo_recipe(golden):
         assert drift <= RTOL
 
 
-@pytest.mark.parametrize(("shuffler", "exchange"), RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize(("shuffler", "exchange"), RUNS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_curve_matches_golden(demo_runs, golden, backend, shuffler, exchange):
     rows = demo_runs.rows(backend, shuffler, exchange)
@@ -55,7 +61,7 @@ def test_curve_matches_golden(demo_runs, golden, backend, shuffler, exchange):
     assert drift <= RTOL, f"{backend} {shuffler}/{exchange} drifts {drift:.2e} at step {step}"
 
 
-@pytest.mark.parametrize(("shuffler", "exchange"), RUNS, ids=RUN_IDS)
+@pytest.mark.parametrize(("shuffler", "exchange"), RUNS)
 def test_backends_agree_step_by_step(demo_runs, shuffler, exchange):
     torch_rows = demo_runs.rows("torch", shuffler, exchange)
     jax_rows = demo_runs.rows("jax", shuffler, exchange)
@@ -71,13 +77,23 @@ def test_backends_agree_step_by_step(demo_runs, shuffler, exchange):
 def test_shuffling_does_not_change_the_curve(demo_runs, backend):
     identity = demo_runs.rows(backend, "identity", "allgather")
     balanced = demo_runs.rows(backend, "balanced", "allgather")
-    all2all = demo_runs.rows(backend, "balanced", "all2all")
-    for i, b, a in zip(identity, balanced, all2all, strict=True):
-        assert rel_diff(b["loss"], i["loss"]) <= RTOL and rel_diff(a["loss"], i["loss"]) <= RTOL
+    for i, b in zip(identity, balanced, strict=True):
+        assert rel_diff(b["loss"], i["loss"]) <= RTOL
         assert i["imbalance_after"] == i["imbalance_before"]  # identity moves nothing
         assert b["imbalance_after"] <= b["imbalance_before"]
     # the balancer has work to do on this recipe, so the invariance is not vacuous
     assert max(r["imbalance_before"] - r["imbalance_after"] for r in balanced) > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_all2all_exchange_does_not_change_the_curve(demo_runs, backend):
+    identity = demo_runs.rows(backend, "identity", "allgather")
+    balanced = demo_runs.rows(backend, "balanced", "allgather")
+    all2all = demo_runs.rows(backend, "balanced", "all2all")
+    for i, b, a in zip(identity, balanced, all2all, strict=True):
+        assert rel_diff(a["loss"], i["loss"]) <= RTOL
+        assert a["rank_workloads_after"] == b["rank_workloads_after"]  # the same plan
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

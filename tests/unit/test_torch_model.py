@@ -128,6 +128,49 @@ def test_forward_matches_hand_written_math(task):
     assert float(loss.detach()) == pytest.approx(want, rel=2e-5)
 
 
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_one_lookup_per_table_equals_torchrecs_lookup_per_feature(task):
+    """The replicated tables are read one call per table (item, candidate and negative ids
+    together): the same rows as EmbeddingCollection's call per feature, the same table
+    gradients, and one dense gradient computed for the item table instead of one per feature."""
+    cfg = _cfg(task)
+    model = HSTUModel(cfg.model)
+    model.load_params(init_params(cfg.model, seed=0))
+    tb = to_torch(make_global_batch(cfg, 8, (5,), first_id=3)[0]).strip_padding()
+    ids = tb.kjt.to_dict()
+    features = [f for t in model.embedding.embedding_configs() for f in t.feature_names]
+    ours = model._lookup(ids)
+    assert (
+        set(ours)
+        == set(features)
+        == (
+            {"item", "candidate", "action", "contextual"}
+            | ({"negative"} if task == "retrieval" else set())
+        )
+    )
+    theirs = model.embedding(tb.kjt)
+    grads = []
+    for rows in (ours, {f: theirs[f].values() for f in features}):
+        model.zero_grad()
+        loss = sum(
+            (r * torch.arange(r.numel()).reshape(r.shape).sin()).sum() for r in rows.values()
+        )
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.embedding.named_parameters()})
+    for f in features:
+        assert torch.equal(ours[f], theirs[f].values()), f
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-6, atol=1e-6)
+    calls = []
+    hook = torch.nn.functional.embedding
+    try:
+        torch.nn.functional.embedding = lambda i, w, *a, **k: calls.append(w.shape) or hook(i, w)
+        model._lookup(ids)
+    finally:
+        torch.nn.functional.embedding = hook
+    assert len(calls) == 3  # item (with candidate / negative ids), action, contextual
+
+
 def test_params_load_and_export_identically():
     for task in ("ranking", "retrieval"):
         cfg = _cfg(task)
