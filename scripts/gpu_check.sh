@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [section ...]     sections: env kernels bench train parity
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
-#                                               e2e sim simcheck profile graphs norm pack ab
+#                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab optim mosaic recipes
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
@@ -73,6 +73,23 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    tab)
+      # whole-tree A/B in one call: $AB_TREE (git archive <commit> hstu kernels configs scripts |
+      # tar -x -C DIR) against this tree, alternating, $E2E_BACKENDS at W=1 on bench_upstream,
+      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for b in ${AB_BATCHES:-8 32}; do
+          for side in before after; do
+            tree=$PWD; [ $side = before ] && tree=$(cd "$AB_TREE" && pwd)
+            mkdir -p /tmp/hstu-path-$side && ln -sfn "$tree/kernels" /tmp/hstu-path-$side/hstu_kernels \
+              && ln -sfn "$tree/configs" /tmp/hstu-path-$side/hstu_recipes
+            run "tab_${side}_b${b}_$round" env -C "$tree" \
+              PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
+              --config bench_upstream --backends $E2E_BACKENDS --shufflers identity --steps 30 \
+              --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b
+          done
+        done
+      done ;;
     kab)
       # kernel A/B: scripts/attention_jagged.py (bench_upstream's jagged batches, back-to-back
       # device time) on $AB_BEFORE/kernels and on kernels/, alternating, for $KAB_BACKENDS
@@ -90,7 +107,7 @@ print('torchrec', torchrec.__version__)" ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
       # jax in both Pallas lowerings of its forward / dq kernels ($ATTN_LOWERINGS)
-      for backend in torch jax; do
+      for backend in ${ATTN_BACKENDS:-torch jax}; do
         extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
           --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims 64,128,256 \

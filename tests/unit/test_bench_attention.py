@@ -102,3 +102,33 @@ def test_lowerings_are_checked_before_any_work(tmp_path, capsys):
         assert main(argv) == 2
         assert "--lowerings mosaic: head dim 16: dtype float32" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.gpu
+def test_torch_timing_replays_the_kernel_from_a_cuda_graph():
+    """On a GPU the torch runner times a graph replay (device time), and the replay computes
+    what the eager call computes: the gradients of the kernel, forward and backward."""
+    torch = pytest.importorskip("torch")
+    from hstu.torch_backend.bench_attention import Runner
+
+    runner = Runner(sdpa=False)
+    case = ba.Case(2, 256, 64, 2, "bf16", "equal", (256, 256))
+    leaves, do, offsets, kw = runner.inputs(case)
+    xs = [x.requires_grad_() for x in leaves]
+    grads = []
+
+    def fwd_bwd():
+        grads[:] = torch.autograd.grad(runner.fn(*xs, offsets, **kw), xs, do)
+
+    fwd_bwd()
+    want = [g.clone() for g in grads]
+    graph = runner._capture(fwd_bwd)
+    assert graph is not None and runner.eager == []
+    for g in grads:
+        g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip(grads, want, strict=True):
+        assert torch.equal(got, ref)
+    fwd_ms, fwd_bwd_ms, note = runner.time(case, warmup=2, repeats=5)
+    assert note == "" and 0 < fwd_ms < fwd_bwd_ms
