@@ -110,11 +110,11 @@ print('torchrec', torchrec.__version__)" ;;
       for backend in ${ATTN_BACKENDS:-torch jax}; do
         extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
-          --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims 64,128,256 \
+          --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims ${ATTN_DIMS:-64,128,256} \
           --max-tokens 65536 --out /tmp/attention $extra
         cp /tmp/attention/attention_$backend.json "$OUT/"
       done
-      cp /tmp/attention/attention_*_d128.png "$OUT/" ;;
+      cp /tmp/attention/attention_*.png "$OUT/" ;;
     train)
       run torch_train_1gpu python -m hstu.cli train --backend torch --config configs/gpu.yaml \
         output_dir="$OUT/torch_train"
