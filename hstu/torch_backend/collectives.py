@@ -29,10 +29,10 @@ from hstu.torch_backend.batch import TorchBatch, make_kjt, select_segments
 
 
 def _gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
-    # torch >= 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
     if dist.get_world_size(group) == 1:  # one rank: a copy, no NCCL launch on the host
         out.copy_(inp.view(out.shape))
         return
+    # torch >= 2.13 renames all_gather_into_tensor to all_gather_single; 2.11 has only the former.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
 
