@@ -129,7 +129,7 @@ def test_forward_matches_hand_written_math(task):
 
 
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_one_lookup_per_table_equals_torchrecs_lookup_per_feature(task):
+def test_one_lookup_per_table_equals_torchrecs_lookup_per_feature(task, monkeypatch):
     """The replicated tables are read one call per table (item, candidate and negative ids
     together): the same rows as EmbeddingCollection's call per feature, the same table
     gradients, and one dense gradient computed for the item table instead of one per feature."""
@@ -162,12 +162,13 @@ def test_one_lookup_per_table_equals_torchrecs_lookup_per_feature(task):
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-6, atol=1e-6)
     calls = []
-    hook = torch.nn.functional.embedding
-    try:
-        torch.nn.functional.embedding = lambda i, w, *a, **k: calls.append(w.shape) or hook(i, w)
-        model._lookup(ids)
-    finally:
-        torch.nn.functional.embedding = hook
+    lookup = torch.nn.functional.embedding
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "embedding",
+        lambda i, w, *a, **k: calls.append(w.shape) or lookup(i, w),
+    )
+    model._lookup(ids)
     assert len(calls) == 3  # item (with candidate / negative ids), action, contextual
 
 
