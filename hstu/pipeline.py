@@ -34,6 +34,7 @@ collective call per rank and compares the sequences.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -122,6 +123,9 @@ class Backend(Protocol):
     def fetch_metrics(self, pending: Any) -> dict[str, float]:
         """Host scalars of a dispatched step (at least 'loss', the global mean loss; static-
         shape backends add 'token_capacity' and 'num_compiles'). Waits for that step only."""
+
+    # Optional: `annotate(name)`, a context manager naming a host range in the backend's
+    # profiler trace (torch.profiler / jax.profiler); the pipeline marks its phases with it.
 
 
 @dataclass
@@ -360,18 +364,23 @@ def run(
         else (prepare(b) for b in batches)
     )
     clock = _Clock()
+    annotate = getattr(backend, "annotate", None) or (lambda name: contextlib.nullcontext())
 
     def start():
-        host, local_stats = next(source)
+        with annotate("hstu.data_wait"):
+            host, local_stats = next(source)
         clock.lap("data_wait")
-        dev = backend.to_device(host)
+        with annotate("hstu.to_device"):
+            dev = backend.to_device(host)
         clock.lap("to_device")
-        out = balancer.phase1(dev, local_stats)
+        with annotate("hstu.stats_gather"):
+            out = balancer.phase1(dev, local_stats)
         clock.lap("stats_gather")
         return out
 
     def finish(phase1) -> Prepared:
-        prepared = balancer.phase2(*phase1)
+        with annotate("hstu.exchange"):
+            prepared = balancer.phase2(*phase1)
         clock.spent["partition_wait"] += prepared.partition_wait_s
         clock.spent["exchange"] += prepared.exchange_s
         clock.last = time.perf_counter()
@@ -381,7 +390,8 @@ def run(
     perturbed: set[int] = set()
 
     def fetch(step: int, pending: Any, prepared: Prepared) -> dict:
-        metrics = {"step": step, **backend.fetch_metrics(pending)}
+        with annotate("hstu.fetch_wait"):
+            metrics = {"step": step, **backend.fetch_metrics(pending)}
         clock.lap("fetch_wait")
         return metrics
 
@@ -430,18 +440,22 @@ def run(
             step = start_step + i
             following = start() if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
-            handle = backend.forward_backward(current.device_batch, loss_tokens_)
+            with annotate("hstu.forward_backward"):
+                handle = backend.forward_backward(current.device_batch, loss_tokens_)
             clock.lap("dispatch")
             following = finish(following) if following is not None else None
-            out = backend.optimizer_step(handle)
+            with annotate("hstu.optimizer_step"):
+                out = backend.optimizer_step(handle)
             clock.lap("dispatch")
             if pending is not None:
                 fetched = (fetch(*pending), pending[2])
-            if after_dispatch and after_dispatch(step):
-                perturbed.add(step - 1)  # this iteration's time is the previous step's row
+            with annotate("hstu.checkpoint"):
+                if after_dispatch and after_dispatch(step):
+                    perturbed.add(step - 1)  # this iteration's time is the previous step's row
             clock.lap("checkpoint")
             if fetched is not None:
-                emit(*fetched, clock.take())
+                with annotate("hstu.log"):
+                    emit(*fetched, clock.take())
                 fetched = None
             pending = (step, out, current)
             current = following

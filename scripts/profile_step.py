@@ -5,8 +5,9 @@
 
 Trains through the core trainer (`hstu.trainer.train`, the backend's own Backend), traces steps
 `profile-at ... profile-at + profile-steps - 1`, and prints: the per-step host times, the top
-device kernels, and the host timeline (busy time per thread and the largest gaps of the main
-thread). The trace goes to $OUT (default /tmp). Measurement aid for docs/BENCHMARKS.md.
+device kernels, the host timeline (busy time per thread) and the device's idle gaps, each
+charged to what the dispatching thread was doing (`hstu.bench.trace`). The trace goes to $OUT
+(default /tmp). Measurement aid for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import argparse
 import collections
 import glob
 import gzip
-import json
 import os
 import re
 import statistics
@@ -26,16 +26,10 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
     """Device kernels by total time, and every host thread's busy time (Chrome-trace JSON).
     `hlo_dir`: XLA's dump of the optimized modules (jax, `--hlo`); each top kernel that is an XLA
     fusion is followed by the fusion's instruction (operand and result shapes) and its root."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
-            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"][
-                "name"
-            ]
+    from hstu.bench import trace as tr
+
+    events = tr.load(path)
+    names = tr.names_of(events)
     groups = collections.defaultdict(list)
     modules = {}  # kernel name -> the HLO module that ran it (jax traces carry it)
     for e in events:
@@ -71,6 +65,14 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
             if hlo is not None and name in modules:
                 for line in hlo.describe(*modules[name]):
                     print(f"      {line[:200]}")
+    print("\n== device idle (every stream together)")
+    try:
+        report = tr.idle_report(events, steps)
+    except ValueError as exc:  # a CPU run: no device events to look at
+        print(f"  {exc}")
+        return
+    for line in report.lines():
+        print(line)
 
 
 class _HloIndex:

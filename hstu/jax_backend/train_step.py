@@ -207,6 +207,10 @@ class JaxBackend:
     def to_device(self, batches):
         return self.shuffler.to_device(batches)
 
+    def annotate(self, name: str):
+        """A named host range in a jax.profiler trace (nothing when no trace runs)."""
+        return jax.profiler.TraceAnnotation(name)
+
     def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
         return self.shuffler.allgather_stats(local_stats)
 

@@ -152,3 +152,65 @@ def test_a_packed_run_resumes_and_refuses_a_changed_packing_inside_a_window(
     )
     with pytest.raises(HSTUError, match="the data position 32 is inside a window of the saved"):
         backends.get_train(backend)(cfg)
+
+
+PHASES = ("data_wait", "to_device", "stats_gather", "forward_backward", "exchange")
+PHASES += ("optimizer_step", "fetch_wait", "checkpoint", "log")
+
+
+def _profiled_torch(cfg, tmp_path):
+    """Steps 1-3 of a one-rank CPU run under torch.profiler; the Chrome trace's path."""
+    import torch
+    import torch.distributed as dist
+
+    from hstu.torch_backend.train_step import run_rank
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def hook(step, metrics):
+        if step == 0:
+            prof.start()
+        elif step == 3:
+            prof.stop()
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+    try:
+        run_rank(cfg, 0, 1, torch.device("cpu"), on_step=hook)
+    finally:
+        dist.destroy_process_group()
+    path = str(tmp_path / "torch_trace.json")
+    prof.export_chrome_trace(path)
+    return path
+
+
+def _profiled_jax(cfg, tmp_path):
+    import jax
+
+    def hook(step, metrics):
+        if step == 0:
+            jax.profiler.start_trace(str(tmp_path / "jax"), create_perfetto_trace=True)
+        elif step == 3:
+            jax.profiler.stop_trace()
+
+    backends.get_train("jax")(cfg, on_step=hook)
+    return str(next((tmp_path / "jax").rglob("*.trace.json.gz")))
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_the_pipeline_phases_are_named_in_the_backends_profiler_trace(backend, tmp_path):
+    """`scripts/profile_step.py` charges the device's idle gaps to these host ranges; both
+    backends mark every phase on the one thread that dispatches the steps, once per step."""
+    from hstu.bench import trace as tr
+
+    cfg = load_config(
+        "demo",
+        ["dist.world_size=1", "data.batch_size=16", "train.steps=6", f"output_dir={tmp_path}"],
+    )
+    path = (_profiled_torch if backend == "torch" else _profiled_jax)(cfg, tmp_path)
+    events = [e for e in tr.load(path) if e.get("ph") == "X"]
+    marked = [e for e in events if str(e.get("name", "")).startswith(tr.PHASE_PREFIX)]
+    assert {e["name"] for e in marked} == {tr.PHASE_PREFIX + p for p in PHASES}
+    assert len({(e["pid"], e["tid"]) for e in marked}) == 1
+    # the hook starts the trace when step 0's metrics arrive (step 1 dispatched), stops it at
+    # step 3's: steps 2 and 3 are dispatched entirely inside it
+    assert sum(e["name"] == "hstu.forward_backward" for e in marked) >= 2

@@ -1,0 +1,194 @@
+"""When the device idles inside a training step, and what the host was doing meanwhile.
+
+Reads a Chrome-trace JSON written by torch.profiler or jax.profiler (`scripts/profile_step.py`)
+and takes the union of everything the device ran (every stream: a CUDA graph's kernels land on
+streams of their own), so an idle gap is time in which no kernel or copy ran at all. Each gap
+is then charged to the host: at every instant of it, the innermost event open on the thread
+that dispatches the steps (the one holding the pipeline's `hstu.*` ranges, `hstu.pipeline`
+marks its phases) names what kept the next launch from coming. "(python)" is time in a phase
+with no traced op open: the interpreter itself.
+
+A device that never waits has no gaps; a step whose fixed cost is host work shows it here by
+name, phase by phase.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+from dataclasses import dataclass, field
+
+PHASE_PREFIX = "hstu."
+_TORCH_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path) as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def names_of(events: list[dict]) -> dict:
+    """(pid, None) -> process name, (pid, tid) -> thread name, from the metadata events."""
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            key = (e["pid"], e.get("tid") if e["name"] == "thread_name" else None)
+            names[key] = e["args"]["name"]
+    return names
+
+
+def is_device_event(e: dict, names: dict) -> bool:
+    """A kernel, copy or memset: torch marks them by category, jax puts them on the device's
+    `Stream #N(...)` threads (its other device threads are spans derived from those)."""
+    if e.get("cat") in _TORCH_DEVICE_CATS:
+        return True
+    process = str(names.get((e.get("pid"), None), ""))
+    return process.startswith("/device:") and str(
+        names.get((e.get("pid"), e.get("tid")), "")
+    ).startswith("Stream")
+
+
+def _union(spans: list[tuple[float, float, str]]) -> list[list]:
+    """Merged busy intervals `[start, end, first event's name, name of the event ending last]`."""
+    out: list[list] = []
+    for a, b, name in sorted(spans):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1][1], out[-1][3] = b, name
+        else:
+            out.append([a, b, name, name])
+    return out
+
+
+@dataclass
+class Gap:
+    start: float  # us, trace clock
+    end: float
+    before: str  # the device's last event before the gap, and its first after
+    after: str
+    charged: collections.Counter = field(default_factory=collections.Counter)  # (phase, op) -> us
+
+    @property
+    def us(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class IdleReport:
+    steps: int
+    window_us: float  # first device event to the last
+    busy_us: float
+    gaps: list[Gap]
+    host_thread: str
+    min_gap_us: float
+
+    @property
+    def idle_us(self) -> float:
+        return self.window_us - self.busy_us
+
+    def charged(self) -> collections.Counter:
+        total: collections.Counter = collections.Counter()
+        for g in self.gaps:
+            total.update(g.charged)
+        return total
+
+    def by_phase(self) -> collections.Counter:
+        total: collections.Counter = collections.Counter()
+        for (phase, _), us in self.charged().items():
+            total[phase] += us
+        return total
+
+    def lines(self, top: int = 12) -> list[str]:
+        s = max(self.steps, 1)
+        small = self.idle_us - sum(g.us for g in self.gaps)
+        out = [
+            f"device busy {self.busy_us / 1e3 / s:.2f} ms per step, idle "
+            f"{self.idle_us / 1e3 / s:.2f} ms per step ({len(self.gaps) / s:.1f} gaps >= "
+            f"{self.min_gap_us:g} us per step; shorter gaps {small / 1e3 / s:.2f} ms); host "
+            f"thread charged: {self.host_thread}",
+            "  idle by host phase (ms per step):",
+        ]
+        for phase, us in self.by_phase().most_common():
+            out.append(f"    {us / 1e3 / s:8.3f}  {phase}")
+        out.append("  idle by host phase and innermost op (ms per step):")
+        for (phase, op), us in self.charged().most_common(top):
+            out.append(f"    {us / 1e3 / s:8.3f}  {phase} > {op[:80]}")
+        out.append(f"  largest gaps (of {len(self.gaps)}):")
+        for g in sorted(self.gaps, key=lambda g: -g.us)[:top]:
+            what = ", ".join(f"{p} > {o[:40]} {us:.0f}" for (p, o), us in g.charged.most_common(2))
+            out.append(
+                f"    {g.us:8.1f} us  after {g.before[:40]!r} before {g.after[:40]!r}: {what}"
+            )
+        return out
+
+
+def _innermost(cover: list[tuple[float, float, str]]) -> tuple[float, float, str] | None:
+    # nested events: the innermost one opened last (and, at equal starts, ends first)
+    return max(cover, key=lambda e: (e[0], -e[1]), default=None)
+
+
+def _charge(gap: Gap, active: list[tuple[float, float, str]]) -> None:
+    """Split the gap at every boundary of the host events open in it; charge each piece to the
+    innermost `hstu.*` phase and the innermost event around it."""
+    cuts = sorted(
+        {gap.start, gap.end} | {x for a, b, _ in active for x in (a, b) if gap.start < x < gap.end}
+    )
+    for lo, hi in zip(cuts, cuts[1:]):
+        cover = [e for e in active if e[0] <= lo and e[1] >= hi]
+        phases = [e for e in cover if e[2].startswith(PHASE_PREFIX)]
+        phase = _innermost(phases)
+        op = _innermost(cover)
+        phase_name = phase[2] if phase else "(between phases)"
+        if op is None:
+            op_name = "(no event)"
+        elif op is phase:
+            op_name = "(python)"
+        else:
+            op_name = op[2]
+        gap.charged[(phase_name, op_name)] += hi - lo
+
+
+def idle_report(events: list[dict], steps: int, min_gap_us: float = 10.0) -> IdleReport:
+    """Device idle time of the traced steps, each gap of at least `min_gap_us` charged to the
+    dispatching host thread (shorter ones: launch latency, counted but not charged)."""
+    names = names_of(events)
+    device = []
+    host = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+        if is_device_event(e, names):
+            device.append(span)
+        else:
+            host[(e["pid"], e["tid"])].append(span)
+    if not device:
+        raise ValueError("the trace holds no device events (kernels, copies, memsets)")
+    # the dispatching thread: the one with the pipeline's phases, else the busiest host thread
+    marked = {k: v for k, v in host.items() if any(n.startswith(PHASE_PREFIX) for *_, n in v)}
+    pool = marked or host
+    key = max(pool, key=lambda k: len(pool[k])) if pool else None
+    thread = sorted(host.get(key, []))
+    host_name = (
+        f"{names.get((key[0], None), key[0])} | {names.get(key, key[1])}" if key else "(none)"
+    )
+    busy = _union(device)
+    gaps = [
+        Gap(prev[1], nxt[0], prev[3], nxt[2])
+        for prev, nxt in zip(busy, busy[1:])
+        if nxt[0] - prev[1] >= min_gap_us
+    ]
+    # sweep: host events sorted by start; keep those still open at each gap
+    active: list[tuple[float, float, str]] = []
+    i = 0
+    for gap in gaps:
+        while i < len(thread) and thread[i][0] < gap.end:
+            active.append(thread[i])
+            i += 1
+        active = [e for e in active if e[1] > gap.start]
+        _charge(gap, active)
+    window = busy[-1][1] - busy[0][0]
+    return IdleReport(steps, window, sum(b - a for a, b, *_ in busy), gaps, host_name, min_gap_us)

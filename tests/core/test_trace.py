@@ -1,0 +1,100 @@
+"""`hstu.bench.trace`: the device's idle gaps in a profiler trace, charged to the host."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from hstu.bench import trace as tr
+
+
+def _meta(pid, name, tid=None):
+    kind = "process_name" if tid is None else "thread_name"
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _x(pid, tid, name, ts, dur, **extra):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, **extra}
+
+
+def _torch_like():
+    """Device: kernels on stream 7 and on a graph's stream 20 (overlapping), a copy; host: the
+    main thread's phases with ops inside, and a second thread that must not be charged."""
+    k = {"cat": "kernel"}
+    return [
+        _meta(1, "python"),
+        _meta(1, "main", tid=1),
+        _meta(1, "autograd", tid=2),
+        _x(0, 7, "gemm", 0, 100, **k),
+        _x(0, 20, "graphed", 50, 100, **k),  # overlaps: busy [0, 150)
+        # gap [150, 400): host in forward_backward: 'aten::cat' for [150, 250), then Python
+        _x(0, 7, "attn", 400, 100, **k),
+        _x(0, 7, "memcpy", 500, 50, cat="gpu_memcpy"),  # busy [400, 550)
+        # gap [550, 555): shorter than min_gap_us, counted as idle but not charged
+        _x(0, 7, "adamw", 555, 45, **k),  # busy [555, 600)
+        # gap [600, 1000): host waits in fetch_wait / cudaEventSynchronize
+        _x(0, 7, "next", 1000, 200, **k),
+        _x(1, 1, "hstu.forward_backward", 100, 320),
+        _x(1, 1, "aten::cat", 150, 100),
+        _x(1, 1, "cudaLaunchKernel", 395, 5),
+        _x(1, 1, "hstu.fetch_wait", 590, 420),
+        _x(1, 1, "cudaEventSynchronize", 600, 400),
+        _x(1, 2, "AddmmBackward0", 0, 2000),  # another thread: never charged
+    ]
+
+
+def test_gaps_are_the_union_of_all_streams_charged_to_the_innermost_host_event():
+    report = tr.idle_report(_torch_like(), steps=2, min_gap_us=10)
+    assert report.window_us == 1200
+    assert report.busy_us == 150 + 150 + 45 + 200
+    assert report.idle_us == 250 + 5 + 400
+    assert [(g.start, g.end, g.before, g.after) for g in report.gaps] == [
+        (150, 400, "graphed", "attn"),
+        (600, 1000, "adamw", "next"),
+    ]
+    assert report.host_thread == "python | main"
+    assert dict(report.gaps[0].charged) == {
+        ("hstu.forward_backward", "aten::cat"): 100,
+        ("hstu.forward_backward", "(python)"): 145,
+        ("hstu.forward_backward", "cudaLaunchKernel"): 5,
+    }
+    assert dict(report.by_phase()) == {"hstu.forward_backward": 250, "hstu.fetch_wait": 400}
+    assert report.charged()[("hstu.fetch_wait", "cudaEventSynchronize")] == 400
+    text = "\n".join(report.lines())
+    assert "device busy 0.27 ms per step, idle 0.33 ms per step" in text
+    assert "0.200  hstu.fetch_wait > cudaEventSynchronize" in text
+
+
+def test_jax_traces_count_only_the_device_streams(tmp_path):
+    """jax.profiler puts kernels on '/device:GPU:N' 'Stream #..' threads, and spans derived
+    from them ('XLA Ops', 'XLA Modules') on other threads of the same process: a module span
+    covering a gap must not hide it."""
+    events = [
+        _meta(9, "/device:GPU:0"),
+        _meta(9, "Stream #14(Compute,Memset)", tid=14),
+        _meta(9, "XLA Modules", tid=1),
+        _meta(3, "/host:CPU"),
+        _meta(3, "python", tid=5),
+        _x(9, 1, "jit_step", 0, 1000),
+        _x(9, 14, "fusion.1", 0, 300),
+        _x(9, 14, "fusion.2", 700, 300),
+        _x(3, 5, "hstu.data_wait", 250, 200),
+        _x(3, 5, "PjitFunction(step)", 500, 250),
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    report = tr.idle_report(tr.load(str(path)), steps=1)
+    assert report.busy_us == 600 and report.idle_us == 400
+    assert dict(report.gaps[0].charged) == {
+        ("hstu.data_wait", "(python)"): 150,
+        ("(between phases)", "(no event)"): 50,
+        ("(between phases)", "PjitFunction(step)"): 200,
+    }
+
+
+def test_a_trace_without_device_events_is_an_error():
+    with pytest.raises(ValueError, match="no device events"):
+        tr.idle_report([_meta(1, "python"), _x(1, 1, "aten::mm", 0, 10)], steps=1)
