@@ -73,6 +73,9 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
         return
     for line in report.lines():
         print(line)
+    print("\n== host: the dispatching thread's time by phase")
+    for line in tr.host_report(events, steps).lines(top=40):
+        print(line)
 
 
 class _HloIndex:

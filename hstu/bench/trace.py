@@ -125,6 +125,69 @@ class IdleReport:
         return out
 
 
+@dataclass
+class HostReport:
+    """Where the dispatching thread's time goes: each event's self time (its duration less
+    that of the events nested in it), by the innermost `hstu.*` phase around it."""
+
+    steps: int
+    host_thread: str
+    self_us: collections.Counter  # (phase, event) -> us
+
+    def lines(self, top: int = 25) -> list[str]:
+        s = max(self.steps, 1)
+        phases: collections.Counter = collections.Counter()
+        for (phase, _), us in self.self_us.items():
+            phases[phase] += us
+        out = [f"host thread {self.host_thread}, by phase (ms per step):"]
+        out += [f"    {us / 1e3 / s:8.3f}  {p}" for p, us in phases.most_common()]
+        out.append("  self time by phase and event (ms per step):")
+        for (phase, name), us in self.self_us.most_common(top):
+            out.append(f"    {us / 1e3 / s:8.3f}  {phase} > {name[:90]}")
+        return out
+
+
+def _dispatch_thread(events: list[dict], names: dict):
+    """The dispatching host thread's X events as sorted (start, end, name) spans, and its
+    name: the thread holding the pipeline's phases, else the busiest host thread."""
+    host = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and not is_device_event(e, names):
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+            host[(e["pid"], e["tid"])].append(span)
+    marked = {k: v for k, v in host.items() if any(n.startswith(PHASE_PREFIX) for *_, n in v)}
+    pool = marked or host
+    if not pool:
+        return [], "(none)"
+    key = max(pool, key=lambda k: len(pool[k]))
+    return sorted(host[key]), f"{names.get((key[0], None), key[0])} | {names.get(key, key[1])}"
+
+
+def host_report(events: list[dict], steps: int) -> HostReport:
+    """Self time of every event on the dispatching thread, charged to its innermost phase
+    (events are nested on one thread; one that outlives its parent is cut at the parent's end,
+    time inside a phase but in no event is the phase's own: "(python)")."""
+    thread, name = _dispatch_thread(events, names_of(events))
+    self_us: collections.Counter = collections.Counter()
+    stack: list[list] = []  # [start, end, name, phase, child time]
+
+    def close(frame) -> None:
+        label = "(python)" if frame[2] == frame[3] else frame[2]
+        self_us[(frame[3] or "(between phases)", label)] += (frame[1] - frame[0]) - frame[4]
+
+    for a, b, n in sorted(thread, key=lambda e: (e[0], -e[1])):
+        while stack and stack[-1][1] <= a:
+            close(stack.pop())
+        if stack:
+            b = min(b, stack[-1][1])
+            stack[-1][4] += b - a
+        phase = n if n.startswith(PHASE_PREFIX) else (stack[-1][3] if stack else None)
+        stack.append([a, b, n, phase, 0.0])
+    while stack:
+        close(stack.pop())
+    return HostReport(steps, name, self_us)
+
+
 def _innermost(cover: list[tuple[float, float, str]]) -> tuple[float, float, str] | None:
     # nested events: the innermost one opened last (and, at equal starts, ends first)
     return max(cover, key=lambda e: (e[0], -e[1]), default=None)
@@ -155,26 +218,14 @@ def idle_report(events: list[dict], steps: int, min_gap_us: float = 10.0) -> Idl
     """Device idle time of the traced steps, each gap of at least `min_gap_us` charged to the
     dispatching host thread (shorter ones: launch latency, counted but not charged)."""
     names = names_of(events)
-    device = []
-    host = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
-        if is_device_event(e, names):
-            device.append(span)
-        else:
-            host[(e["pid"], e["tid"])].append(span)
+    device = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and is_device_event(e, names)
+    ]
     if not device:
         raise ValueError("the trace holds no device events (kernels, copies, memsets)")
-    # the dispatching thread: the one with the pipeline's phases, else the busiest host thread
-    marked = {k: v for k, v in host.items() if any(n.startswith(PHASE_PREFIX) for *_, n in v)}
-    pool = marked or host
-    key = max(pool, key=lambda k: len(pool[k])) if pool else None
-    thread = sorted(host.get(key, []))
-    host_name = (
-        f"{names.get((key[0], None), key[0])} | {names.get(key, key[1])}" if key else "(none)"
-    )
+    thread, host_name = _dispatch_thread(events, names)
     busy = _union(device)
     gaps = [
         Gap(prev[1], nxt[0], prev[3], nxt[2])

@@ -98,3 +98,32 @@ def test_jax_traces_count_only_the_device_streams(tmp_path):
 def test_a_trace_without_device_events_is_an_error():
     with pytest.raises(ValueError, match="no device events"):
         tr.idle_report([_meta(1, "python"), _x(1, 1, "aten::mm", 0, 10)], steps=1)
+
+
+def test_host_self_time_by_phase_on_the_dispatching_thread_only():
+    report = tr.host_report(_torch_like(), steps=2)
+    assert report.host_thread == "python | main"
+    assert dict(report.self_us) == {
+        ("hstu.forward_backward", "(python)"): 215,
+        ("hstu.forward_backward", "aten::cat"): 100,
+        ("hstu.forward_backward", "cudaLaunchKernel"): 5,
+        ("hstu.fetch_wait", "(python)"): 20,
+        ("hstu.fetch_wait", "cudaEventSynchronize"): 400,
+    }
+    text = "\n".join(report.lines())
+    assert "0.210  hstu.fetch_wait" in text and "0.160  hstu.forward_backward" in text
+
+
+def test_an_event_that_outlives_its_parent_is_cut_at_the_parents_end():
+    events = [
+        _meta(1, "python"),
+        _meta(1, "main", tid=1),
+        _x(1, 1, "hstu.exchange", 0, 100),
+        _x(1, 1, "device_put", 50, 100),  # ends after the phase: counted up to 100
+        _x(1, 1, "later", 200, 10),
+    ]
+    assert dict(tr.host_report(events, steps=1).self_us) == {
+        ("hstu.exchange", "(python)"): 50,
+        ("hstu.exchange", "device_put"): 50,
+        ("(between phases)", "later"): 10,
+    }
