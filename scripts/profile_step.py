@@ -76,6 +76,9 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
     print("\n== host: the dispatching thread's time by phase")
     for line in tr.host_report(events, steps).lines(top=40):
         print(line)
+    print("\n== one step in time order (host events >= 50 us, nested; device busy stretches)")
+    for line in tr.timeline(events):
+        print(line)
 
 
 class _HloIndex:

@@ -14,6 +14,7 @@ name, phase by phase.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import json
@@ -164,28 +165,53 @@ def _dispatch_thread(events: list[dict], names: dict):
 
 
 def host_report(events: list[dict], steps: int) -> HostReport:
-    """Self time of every event on the dispatching thread, charged to its innermost phase
-    (events are nested on one thread; one that outlives its parent is cut at the parent's end,
-    time inside a phase but in no event is the phase's own: "(python)")."""
+    """Self time of every event on the dispatching thread, charged to the `hstu.*` phase it
+    falls in. Events nest on one thread (one that outlives its parent is cut at the parent's
+    end); the phases are placed by time alone, since a phase can open inside a short frame
+    (jax traces record Python frames: the phase's own `__enter__`) and outlive it. Phase time
+    in no event is the phase's own: "(python)"."""
     thread, name = _dispatch_thread(events, names_of(events))
+    phases = sorted(e for e in thread if e[2].startswith(PHASE_PREFIX))
+    others = sorted(
+        (e for e in thread if not e[2].startswith(PHASE_PREFIX)), key=lambda e: (e[0], -e[1])
+    )
+    starts = [p[0] for p in phases]
     self_us: collections.Counter = collections.Counter()
-    stack: list[list] = []  # [start, end, name, phase, child time]
 
-    def close(frame) -> None:
-        label = "(python)" if frame[2] == frame[3] else frame[2]
-        self_us[(frame[3] or "(between phases)", label)] += (frame[1] - frame[0]) - frame[4]
+    def charge(lo: float, hi: float, label: str) -> None:
+        """[lo, hi) of `label`'s self time, split over the phases it crosses."""
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while lo < hi:
+            if i < len(phases) and phases[i][0] <= lo < phases[i][1]:
+                cut = min(hi, phases[i][1])
+                self_us[(phases[i][2], label)] += cut - lo
+                i += 1
+            else:
+                while i < len(phases) and phases[i][1] <= lo:
+                    i += 1
+                cut = min(hi, phases[i][0]) if i < len(phases) else hi
+                self_us[("(between phases)", label)] += cut - lo
+            lo = cut
 
-    for a, b, n in sorted(thread, key=lambda e: (e[0], -e[1])):
+    stack: list[list] = []  # [start, end, name, end of its last child]
+    for a, b, n in others:
         while stack and stack[-1][1] <= a:
-            close(stack.pop())
+            frame = stack.pop()
+            charge(frame[3], frame[1], frame[2])
         if stack:
-            b = min(b, stack[-1][1])
-            stack[-1][4] += b - a
-        phase = n if n.startswith(PHASE_PREFIX) else (stack[-1][3] if stack else None)
-        stack.append([a, b, n, phase, 0.0])
+            top = stack[-1]
+            b = min(b, top[1])
+            charge(top[3], a, top[2])
+            top[3] = b
+        stack.append([a, b, n, a])
     while stack:
-        close(stack.pop())
-    return HostReport(steps, name, self_us)
+        frame = stack.pop()
+        charge(frame[3], frame[1], frame[2])
+    covered = _union(others)
+    for a, b, n in phases:  # the phase's time outside every event
+        inside = sum(max(0.0, min(b, c[1]) - max(a, c[0])) for c in covered)
+        self_us[(n, "(python)")] += (b - a) - inside
+    return HostReport(steps, name, +self_us)
 
 
 def _innermost(cover: list[tuple[float, float, str]]) -> tuple[float, float, str] | None:
@@ -243,3 +269,34 @@ def idle_report(events: list[dict], steps: int, min_gap_us: float = 10.0) -> Idl
         _charge(gap, active)
     window = busy[-1][1] - busy[0][0]
     return IdleReport(steps, window, sum(b - a for a, b, *_ in busy), gaps, host_name, min_gap_us)
+
+
+def timeline(events: list[dict], min_us: float = 50.0, max_lines: int = 120) -> list[str]:
+    """One step's sequence, for reading by eye: from the second-to-last `hstu.forward_backward`
+    on the dispatching thread to the last, each host event of at least `min_us` (indented by
+    nesting) and each busy stretch of the device, in time order (ms from the window's start)."""
+    names = names_of(events)
+    thread, _ = _dispatch_thread(events, names)
+    marks = [e for e in thread if e[2] == PHASE_PREFIX + "forward_backward"]
+    if len(marks) < 2:
+        return ["(fewer than two hstu.forward_backward ranges in the trace)"]
+    t0, t1 = marks[-2][0], marks[-1][0]
+    device = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and is_device_event(e, names)
+    ]
+    rows = []
+    for a, b, first, last in _union(device):
+        if b > t0 and a < t1:
+            rows.append((a, 0, f"DEVICE busy {(b - a) / 1e3:.3f} ms ({first[:30]} .. {last[:30]})"))
+    stack: list[float] = []  # ends of the open host events
+    for a, b, n in sorted(thread, key=lambda e: (e[0], -e[1])):
+        while stack and stack[-1] <= a:
+            stack.pop()
+        depth = len(stack)
+        stack.append(b)
+        if t0 <= a < t1 and b - a >= min_us:
+            rows.append((a, 1, f"{'  ' * depth}{n[:70]} {(b - a) / 1e3:.3f} ms"))
+    rows.sort()
+    return [f"{(a - t0) / 1e3:8.3f}  {text}" for a, _, text in rows[:max_lines]]

@@ -114,16 +114,40 @@ def test_host_self_time_by_phase_on_the_dispatching_thread_only():
     assert "0.210  hstu.fetch_wait" in text and "0.160  hstu.forward_backward" in text
 
 
-def test_an_event_that_outlives_its_parent_is_cut_at_the_parents_end():
+def test_frames_nest_and_phases_are_placed_by_time():
+    """A frame that outlives its parent is cut at the parent's end; a phase may open inside a
+    short frame (jax: its own `__enter__`) and outlive it, so phases split self time by time."""
     events = [
         _meta(1, "python"),
         _meta(1, "main", tid=1),
-        _x(1, 1, "hstu.exchange", 0, 100),
-        _x(1, 1, "device_put", 50, 100),  # ends after the phase: counted up to 100
-        _x(1, 1, "later", 200, 10),
+        _x(1, 1, "outer", 0, 300),
+        _x(1, 1, "__enter__", 5, 7),
+        _x(1, 1, "hstu.exchange", 10, 90),
+        _x(1, 1, "device_put", 50, 100),
+        _x(1, 1, "late", 200, 200),  # cut at 300
     ]
     assert dict(tr.host_report(events, steps=1).self_us) == {
-        ("hstu.exchange", "(python)"): 50,
+        ("(between phases)", "__enter__"): 5,
+        ("hstu.exchange", "__enter__"): 2,
+        ("(between phases)", "outer"): 5 + 50,
+        ("hstu.exchange", "outer"): 38,
         ("hstu.exchange", "device_put"): 50,
-        ("(between phases)", "later"): 10,
+        ("(between phases)", "device_put"): 50,
+        ("(between phases)", "late"): 100,
     }
+
+
+def test_the_timeline_shows_one_step_of_host_and_device_in_order():
+    events = _torch_like() + [_x(1, 1, "hstu.forward_backward", 1100, 50)]
+    assert tr.timeline(events, min_us=1) == [
+        "  -0.100  DEVICE busy 0.150 ms (gemm .. graphed)",
+        "   0.000  hstu.forward_backward 0.320 ms",
+        "   0.050    aten::cat 0.100 ms",
+        "   0.295    cudaLaunchKernel 0.005 ms",
+        "   0.300  DEVICE busy 0.150 ms (attn .. memcpy)",
+        "   0.455  DEVICE busy 0.045 ms (adamw .. adamw)",
+        "   0.490  hstu.fetch_wait 0.420 ms",
+        "   0.500    cudaEventSynchronize 0.400 ms",
+        "   0.900  DEVICE busy 0.200 ms (next .. next)",
+    ]
+    assert "fewer than two" in tr.timeline(_torch_like())[0]
