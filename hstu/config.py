@@ -82,6 +82,13 @@ class ModelConfig:
         "out) | auto (mosaic where it can run, else triton); dk/dv stay Triton's; torch: no "
         "effect",
     )
+    attention_backward: str = _opt(
+        "auto",
+        "torch kernel: the Triton attention backward, split (a dk/dv and a dq kernel; "
+        "deterministic) | fused (one kernel, dq added with fp32 atomics: 5 matmuls per tile "
+        "pair instead of 7, sums in a run-dependent order) | auto (the kernels' choice per "
+        "head dim); jax: no effect (its Pallas backward is split)",
+    )
     task: str = _opt("ranking", "ranking (multi-task BCE on candidates) | retrieval")
     num_tasks: int = _opt(2, "ranking tasks, encoded as the bits of each candidate's label")
     num_negatives: int = _opt(16, "retrieval: sampled negatives per target")
@@ -99,6 +106,7 @@ class ModelConfig:
             _check(math.isfinite(self.alpha), p + "alpha", self.alpha, "must be finite")
         _one_of(p + "attention", self.attention, ("reference", "kernel", "triton", "pallas"))
         _one_of(p + "pallas_lowering", self.pallas_lowering, ("triton", "mosaic", "auto"))
+        _one_of(p + "attention_backward", self.attention_backward, ("auto", "split", "fused"))
         _one_of(p + "task", self.task, ("ranking", "retrieval"))
         _one_of(p + "dtype", self.dtype, ("float32", "bfloat16", "float16"))
 
@@ -141,6 +149,11 @@ class DataConfig:
     max_candidates: int = _opt(4, "most candidate tokens per sample")
     time_step: int = _opt(60, "mean seconds between events (synthetic timestamps)")
     prefetch: int = _opt(2, "batches read, validated and measured ahead on a host thread")
+    workers: int = _opt(
+        0,
+        "processes that build the batches (0: the prefetch thread builds them, holding the GIL "
+        "the training loop needs; >= 1: spawned worker processes, the source must pickle)",
+    )
     pack_window: int = _opt(
         0,
         "static-shape steps (jax; torch with train.cuda_graphs): reorder the samples inside "
@@ -154,7 +167,7 @@ class DataConfig:
         if self.source == "prepared":
             _check(bool(self.path), p + "path", self.path, "data.source=prepared needs a path")
         _positive(self, p, "batch_size")
-        _positive(self, p, "num_samples", "num_contextual", "prefetch", allow_zero=True)
+        _positive(self, p, "num_samples", "num_contextual", "prefetch", "workers", allow_zero=True)
         _check(
             0 <= self.min_history <= self.max_history,
             p + "min_history",

@@ -36,6 +36,7 @@ from hstu import pipeline
 from hstu.batch import check_model_inputs
 from hstu.data import packing
 from hstu.data.loader import DataLoader, SampleSource
+from hstu.data.workers import WorkerLoader
 from hstu.metrics import MetricsLogger, peak_tflops
 from hstu.watchdog import Watchdog
 from hstu.workload import HSTUCost
@@ -212,6 +213,8 @@ def train(
         return None
 
     max_seqlen = cfg.data.max_seqlen
+    if cfg.data.workers:  # batches built in processes of their own (hstu.data.workers)
+        loader = WorkerLoader(loader, cfg.data.workers, ahead=cfg.data.prefetch + 1)
     # No step dispatched for train.watchdog_s: every thread's stack, then the run ends.
     watchdog = Watchdog(tc.watchdog_s, f"rank(s) {list(backend.local_ranks)}").start()
     try:
@@ -241,4 +244,6 @@ def train(
                 logger.close()
         finally:
             watchdog.stop()
+            if isinstance(loader, WorkerLoader):
+                loader.close()
     return rows if main else []

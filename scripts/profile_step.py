@@ -67,12 +67,10 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
                     print(f"      {line[:200]}")
     print("\n== device idle (every stream together)")
     try:
-        report = tr.idle_report(events, steps)
+        for line in tr.idle_report(events, steps).lines():
+            print(line)
     except ValueError as exc:  # a CPU run: no device events to look at
         print(f"  {exc}")
-        return
-    for line in report.lines():
-        print(line)
     print("\n== host: the dispatching thread's time by phase")
     for line in tr.host_report(events, steps).lines(top=40):
         print(line)

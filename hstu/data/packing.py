@@ -91,6 +91,15 @@ class PackedSource(WrappedSource):
         self._windows: OrderedDict[int, list] = OrderedDict()  # start -> samples, reordered
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # pickled for worker processes: no lock, no cache
+        state = self.__dict__.copy()
+        state["_windows"], state["_lock"] = OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def window_of(self, index: int) -> tuple[int, int]:
         """`(first, end)` sample positions of the window holding position `index`."""
         return window_bounds(index, self.window, self.num_samples)

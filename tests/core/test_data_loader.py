@@ -49,3 +49,45 @@ def test_resuming_with_another_world_size_continues_with_the_next_samples(demo_c
     seen += [i for _ in range(3) for ids in _ids(next(second)) for i in ids]
     assert seen == list(range(len(seen)))  # nothing skipped, nothing repeated
     assert np.all(np.diff(seen) == 1)
+
+
+class _BadAt:
+    """A source whose sample `bad` is invalid (picklable: the workers unpickle it)."""
+
+    def __init__(self, inner, bad: int):
+        self.inner, self.bad, self.num_samples = inner, bad, inner.num_samples
+
+    @property
+    def jagged_keys(self):
+        return self.inner.jagged_keys
+
+    def sample(self, index: int) -> dict:
+        if index == self.bad:
+            raise HSTUError(f"sample {index} is broken")
+        return self.inner.sample(index)
+
+
+def test_worker_processes_yield_the_loaders_batches_in_order(demo_cfg):
+    """`data.workers`: the same batches and positions as the in-process loader (epochs
+    included), built in spawned processes; a worker's error surfaces from next()."""
+    from hstu.data.workers import WorkerLoader
+
+    demo_cfg.data.num_samples = 20
+    source = source_from_config(demo_cfg)
+    want = DataLoader(source, 3, 2, [0, 1], position=6)
+    got = WorkerLoader(DataLoader(source, 3, 2, [0, 1], position=6), workers=2, ahead=3)
+    try:
+        for _ in range(6):
+            expected, batches = next(want), next(got)
+            assert got.position == want.position
+            for x, y in zip(expected, batches, strict=True):
+                assert x == y
+    finally:
+        got.close()
+    broken = WorkerLoader(DataLoader(_BadAt(source, 4), 3, 1, [0]), workers=1)
+    try:
+        next(broken)  # samples 0-2
+        with pytest.raises(HSTUError, match="sample 4 is broken"):
+            next(broken)
+    finally:
+        broken.close()

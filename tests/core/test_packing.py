@@ -1,6 +1,8 @@
 """`data.pack_window`: the stream reordered inside windows so batches fill their capacities;
 every sample once per epoch, resumable on any world size, a changed packing refused mid-window."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,9 @@ def test_every_sample_is_read_once_per_epoch_never_past_its_window(demo_cfg):
         assert all(position // 16 == i // 16 for position, i in enumerate(ids))
         epochs.append(ids)
     assert epochs[0] == epochs[1] and epochs[0] != list(range(100))  # reordered
+    # pickled for the loader's worker processes (data.workers): the same stream, a fresh cache
+    copy = pickle.loads(pickle.dumps(source))
+    assert not copy._windows and [int(copy.sample(i)["sample_id"]) for i in range(100)] == ids
 
 
 @pytest.mark.parametrize("new_world", [1, 3])

@@ -214,3 +214,16 @@ def test_the_pipeline_phases_are_named_in_the_backends_profiler_trace(backend, t
     # the hook starts the trace when step 0's metrics arrive (step 1 dispatched), stops it at
     # step 3's: steps 2 and 3 are dispatched entirely inside it
     assert sum(e["name"] == "hstu.forward_backward" for e in marked) >= 2
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_worker_processes_train_on_the_same_batches(backend, tmp_path):
+    """`data.workers=2`: the batches come from spawned processes, the run is the same."""
+    losses = {}
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}"
+        assert _cli(backend, out, "train.steps=3", f"data.workers={workers}") == 0
+        losses[workers] = [
+            (r["loss"], r["global_tokens"]) for r in read_rows(out / "metrics.jsonl")
+        ]
+    assert losses[2] == losses[0]
