@@ -2,6 +2,7 @@
 
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
         [--lowering triton|mosaic]   (jax: the forward / dq kernels' Pallas lowering)
+        [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
 contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and one of 8 x 4096
@@ -66,7 +67,7 @@ def _torch_timer(calls: int, rounds: int):
     return timed
 
 
-def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False):
+def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None):
     import torch
     from hstu_kernels.triton import hstu_attention
 
@@ -81,6 +82,8 @@ def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False
         kw["num_contextual"] = torch.full((len(lengths),), ctx, device=dev)
     if cand is not None:
         kw["num_candidates"] = torch.tensor(cand, device=dev)
+    if backward is not None:  # absent: the kernels' default (and a tree without the option)
+        kw["backward"] = backward
 
     def fwd():
         with torch.no_grad():
@@ -200,8 +203,12 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="per-kernel time of the first case")
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
+    ap.add_argument("--backward", choices=["split", "fused"], default=None,
+                    help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     args = ap.parse_args(argv)
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
+    if args.backend == "torch" and args.backward:
+        fwd_name = f", {args.backward} backward"
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
@@ -209,7 +216,7 @@ def main(argv=None) -> None:
     for name, lengths, cand, ctx, max_seqlen in cases():
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         if args.backend == "torch":
-            f_ms, fb_ms = _torch_case(*shape, timed, args.profile)
+            f_ms, fb_ms = _torch_case(*shape, timed, args.profile, args.backward)
         else:
             profile = args.profile and name == "upstream seed 0"
             f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)

@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab optim mosaic recipes
+#                                               kab bwd optim mosaic recipes
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -104,6 +104,17 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    bwd)
+      # torch attention backward, split (dk/dv + dq kernels) against fused (one kernel, dq by
+      # atomic adds), alternating in one call: scripts/attention_jagged.py at $BWD_DIMS
+      for dim in ${BWD_DIMS:-256 128}; do
+        for round in 1 2; do
+          for mode in split fused; do
+            run "bwd_${dim}_${mode}_$round" python scripts/attention_jagged.py --backend torch \
+              --dim $dim --backward $mode ${BWD_ARGS:-}
+          done
+        done
+      done ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
       # jax in both Pallas lowerings of its forward / dq kernels ($ATTN_LOWERINGS)

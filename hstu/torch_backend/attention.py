@@ -4,6 +4,7 @@ they are imported lazily so that building a model never compiles a kernel it doe
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -14,9 +15,12 @@ from hstu.errors import HSTUError
 ATTENTION_IMPLS = ("reference", "kernel")
 
 
-def get_attention(name: str, device: torch.device | str) -> Callable[..., torch.Tensor]:
+def get_attention(
+    name: str, device: torch.device | str, backward: str = "auto"
+) -> Callable[..., torch.Tensor]:
     """The attention function for `model.attention`, checked against the device up front
-    (a kernel that cannot run here must fail before any collective, not inside the step)."""
+    (a kernel that cannot run here must fail before any collective, not inside the step).
+    `backward` (`model.attention_backward`): the kernel's backward mode; auto: its default."""
     device = torch.device(device)
     if name == "reference":
         from hstu_kernels.triton.reference import hstu_attention_reference
@@ -37,5 +41,7 @@ def get_attention(name: str, device: torch.device | str) -> Callable[..., torch.
             )
         from hstu_kernels.triton import hstu_attention
 
-        return hstu_attention
+        if backward == "auto":
+            return hstu_attention
+        return functools.partial(hstu_attention, backward=backward)
     raise HSTUError(f"model.attention={name!r} is not one of {list(ATTENTION_IMPLS)}")

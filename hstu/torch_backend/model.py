@@ -123,7 +123,7 @@ class HSTUModel(nn.Module):
             ],
             device=torch.device("meta") if meta_tables else None,
         )
-        attention = get_attention(cfg.attention_impl("torch"), device)
+        attention = get_attention(cfg.attention_impl("torch"), device, cfg.attention_backward)
         self.layers = nn.ModuleList(HSTULayer(cfg, attention) for _ in range(cfg.num_layers))
         self.final_norm = LayerNorm(d)
         if cfg.task == "ranking":

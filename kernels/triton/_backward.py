@@ -1,4 +1,5 @@
-"""Backward Triton kernels of HSTU attention: ``dk``/``dv`` and ``dq`` (+ bias gradients).
+"""Backward Triton kernels of HSTU attention: ``dk``/``dv`` and ``dq`` (+ bias gradients) of the
+split backward, and the fused one (``dk``/``dv`` plus ``dq`` added atomically in fp32).
 
 Design notes in ``hstu_attention.py``.
 """
@@ -27,11 +28,12 @@ from ._common import (
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start, stride_qt,
-    stride_dot, n, hist_end, C, P, TB, alpha, inv_norm,
+    dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime, seq_start, stride_qt,
+    stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+    FUSED: tl.constexpr,
 ):  # fmt: skip
     # transposed orientation: rows are keys, columns are queries
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -55,20 +57,41 @@ def _dkdv_tile(
         p_t = tl.where(mask, p_t, 0.0)
         dz_t = tl.where(mask, dz_t, 0.0)
     dv += _dot(p_t.to(do.dtype), do, PREC)
-    dk += _dot(dz_t.to(q.dtype), q, PREC)
+    ds_t = dz_t.to(q.dtype)
+    dk += _dot(ds_t, q, PREC)
+    if FUSED:
+        # this tile's share of dq = dS K ([BLOCK_M, D] fp32; dz_t is 0 where masked), added to
+        # the fp32 accumulator: query rows past the sample are never written
+        _atomic_add_rows(DQacc, rows, in_m, stride_dqt, _dot(tl.trans(ds_t), k, PREC), DQK,
+                         BLOCK_DQK)  # fmt: skip
     return dk, dv
 
 
 @triton.jit
-def _hstu_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``tl.atomic_add`` of fp32 ``val`` where ``_store_rows`` would store it (relaxed: only the
+    sum matters, read after the kernel)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.atomic_add(
+        Ptr + rows[:, None] * stride + offs_d[None, :],
+        val,
+        mask=in_rows[:, None] & (offs_d[None, :] < D),
+        sem="relaxed",
+    )
+
+
+@triton.jit
+def _dkdv_program(
+    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr,
 ):  # fmt: skip
+    """One key block of one sample and head: dk / dv over the query blocks that can see it,
+    and with FUSED each tile's dq share added into ``DQacc`` (fp32)."""
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
@@ -83,6 +106,8 @@ def _hstu_bwd_dkdv_kernel(
         DVout += h * stride_vh
         RabPos += h * stride_rp
         RabTime += h * stride_rt
+        if FUSED:
+            DQacc += h * stride_dqh
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows_n = seq_start + offs_n
         in_n = offs_n < n
@@ -100,9 +125,10 @@ def _hstu_bwd_dkdv_kernel(
         for it in range(0, n_a + n_b):
             start_m = _block_start(it, 0, n_a, fs, n_b, 0, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start,
-                stride_qt, stride_dot, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
+                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
+                inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
+                PREC, FAST, False, FUSED,
             )  # fmt: skip
         # masked: [cfull, chi), [lo, fs) around the diagonal and the tail [fe, hi)
         n_a = _num_blocks(cfull, chi, BLOCK_M)
@@ -111,12 +137,54 @@ def _hstu_bwd_dkdv_kernel(
         for it in range(0, n_a + n_b + n_c):
             start_m = _block_start(it, cfull, n_a, lo, n_b, fe, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, Ts, RabPos, RabTime, seq_start,
-                stride_qt, stride_dot, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
+                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
+                inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
+                PREC, FAST, True, FUSED,
             )  # fmt: skip
         _store_rows(DK, rows_n, in_n, stride_kt, dk * alpha, DQK, BLOCK_DQK)
         _store_rows(DVout, rows_n, in_n, stride_vt, dv * inv_norm, DV, BLOCK_DV)
+
+
+@triton.jit
+def _hstu_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
+    _dkdv_program(
+        Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        stride_rp, stride_rt, 0, 0, Sched, G, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK,
+        BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _hstu_bwd_fused_kernel(
+    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Fused backward: dk / dv per key block as ``_hstu_bwd_dkdv_kernel``, and each tile's
+    ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
+    launch multiplies by alpha). No bias-table gradients (the launch uses split for those)."""
+    _dkdv_program(
+        Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
+        DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
+        FAST, True,
+    )  # fmt: skip
 
 
 @triton.jit

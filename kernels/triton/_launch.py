@@ -11,7 +11,7 @@ import triton
 
 from ..schedule import pairs, schedule
 from ..tiles import KERNELS
-from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
+from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
 from ._common import _schedule_kernel
 from ._forward import _hstu_fwd_kernel
 
@@ -55,26 +55,43 @@ class BlockSizes:
 INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
 
 
+# the backward modes (``hstu_attention(..., backward=)``): "split" runs the dk/dv and the dq
+# kernels (deterministic), "fused" one key-major kernel that also adds dq atomically in fp32
+BACKWARDS = ("split", "fused")
+# kernels with tiles of their own: the three of the split path (``KERNELS``) and the fused one
+TILE_KERNELS = (*KERNELS, "fused")
+
+
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
 # kernel, from `python -m hstu_kernels.triton.tune` on an H200 (table in kernels/README.md).
 # Wider heads hold larger accumulators per row: the backward kernels' fp32 dk/dv (two [N, D]
-# tiles) and dq spill at D=256 with 64-row tiles on 4 warps.
+# tiles) and dq spill at D=256 with 64-row tiles on 4 warps. "fused" (not swept by tune yet):
+# the fused kernel also holds a [M, D] fp32 dq tile, so at D=256 it wants fewer query rows than
+# dkdv's 64 x 32 on 4 warps (6.3 KB of spills per thread, 2x the backward time of the tiles
+# below in a first probe on one H100); wide key blocks halve the dq atomics per pair.
 _TUNED = {
     64: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 64, 4, 2),
-         "dq": BlockSizes(64, 64, 4, 2)},  # not swept yet: the D=128 tiles of the last round
+         "dq": BlockSizes(64, 64, 4, 2),  # not swept yet: the D=128 tiles of the last round
+         "fused": BlockSizes(64, 64, 4, 2)},
     128: {"fwd": BlockSizes(64, 32, 4, 3), "dkdv": BlockSizes(32, 64, 4, 2),
-          "dq": BlockSizes(64, 64, 4, 2)},
+          "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(64, 128, 8, 2)},
     256: {"fwd": BlockSizes(128, 64, 8, 2), "dkdv": BlockSizes(64, 32, 4, 2),
-          "dq": BlockSizes(64, 64, 4, 2)},
+          "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(32, 64, 8, 2)},
 }  # fmt: skip
+# backward mode per head dim for 16-bit inputs on CUDA: "split" until "fused" is timed on a GPU
+# (a first probe, one H100, backward alone, the fused tiles above: on the bench_upstream-like
+# jagged batch fused was level with split at D=256 and 64 and ~15 % faster at D=128; on
+# 8 x 4096 ~35 % slower at D=256 and ~15 % at D=128, where each query row takes one [D] atomic
+# add per key block)
+_DEFAULT_BACKWARD = {64: "split", 128: "split", 256: "split"}
 
 
 @functools.cache
 def default_block_sizes(dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16) -> BlockSizes:
-    """Tiles of kernel ``fwd`` / ``dkdv`` / ``dq`` for head dim ``dim``: tiny tiles in interpret
-    mode, small FMA tiles for fp32, the tuned table for 16-bit inputs on CUDA."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    """Tiles of kernel ``fwd`` / ``dkdv`` / ``dq`` / ``fused`` for head dim ``dim``: tiny tiles
+    in interpret mode, small FMA tiles for fp32, the tuned table for 16-bit inputs on CUDA."""
+    if kernel not in TILE_KERNELS:
+        raise ValueError(f"kernel must be one of {TILE_KERNELS}, got {kernel!r}")
     if is_interpret_mode():
         return INTERPRET_BLOCK_SIZES
     if dtype == torch.float32:  # exact (non-tf32) dots are lowered to FMAs
@@ -82,6 +99,21 @@ def default_block_sizes(dim: int, kernel: str, dtype: torch.dtype = torch.bfloat
     if dim > 256:
         return BlockSizes(32, 32, 8, 1)  # untuned: small tiles keep the accumulators in registers
     return _TUNED[max(64, triton.next_power_of_2(dim))][kernel]
+
+
+def default_backward(dim: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backward mode ``hstu_attention(backward=None)`` runs for head dim ``dim``: from
+    ``_DEFAULT_BACKWARD`` for 16-bit inputs on CUDA, "split" otherwise."""
+    if is_interpret_mode() or dtype == torch.float32 or dim > 256:
+        return "split"
+    return _DEFAULT_BACKWARD[max(64, triton.next_power_of_2(dim))]
+
+
+def check_backward(backward) -> str:
+    """``backward`` if it names a backward mode, else a ValueError naming it."""
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
+    return backward
 
 
 def _block_d(d: int) -> int:
@@ -189,16 +221,23 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
 
 def _bwd_impl(
     grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
-    need_rp, need_rt, bs,
+    need_rp, need_rt, bs, backward="split",
 ):  # fmt: skip
-    """``bs``: the (dk/dv, dq) kernels' BlockSizes."""
+    """``bs``: the (dk/dv, dq) kernels' BlockSizes; ``backward``: "split" or "fused" (the dk/dv
+    tiles, one launch, dq added atomically into an fp32 buffer). "fused" runs split where a
+    bias-table gradient is needed: the dq kernel reduces those."""
     dkdv_bs, dq_bs = bs
+    check_backward(backward)
     q, k, v = (x.contiguous() for x in (q, k, v))  # dq/dk/dv reuse these strides
     grad_out = _last_dim_contiguous(grad_out.to(q.dtype))
     T, H, _ = q.shape
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     pos_grad, time_grad = rp_ is not None and need_rp, rt_ is not None and need_rt
+    fused = backward == "fused" and not (pos_grad or time_grad)
     f32 = dict(device=q.device, dtype=torch.float32)
+    # fused: dq accumulates unscaled in fp32 ([T, H, Dqk], contiguous) and is scaled by alpha
+    # and cast after the kernel; split: the dq kernel stores it scaled
+    dq = torch.zeros(q.shape, **f32) if fused else torch.zeros_like(q)
     drp = torch.zeros(rp_.shape, **f32) if pos_grad else torch.empty(0, **f32)
     drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
     B = seq_offsets.shape[0] - 1
@@ -215,20 +254,29 @@ def _bwd_impl(
         scalars = (P, TB, float(alpha), 1.0 / float(normalizer))
         with _device_ctx(q):
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
-            _hstu_bwd_dkdv_kernel[grid](
-                q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
-                *strides, table, G, H, *scalars,
-                **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
-            )  # fmt: skip
-            grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
-            _hstu_bwd_dq_kernel[grid](
-                q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
-                drp if pos_grad else so, drt if time_grad else so,
-                *strides, table, G, H, *scalars,
-                BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
-                POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
-                **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
-            )  # fmt: skip
+            if fused:
+                _hstu_bwd_fused_kernel[grid](
+                    q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, rp, rt,
+                    *strides, dq.stride(0), dq.stride(1), table, G, H, *scalars,
+                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
+                )  # fmt: skip
+            else:
+                _hstu_bwd_dkdv_kernel[grid](
+                    q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
+                    *strides, table, G, H, *scalars,
+                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
+                )  # fmt: skip
+                grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
+                _hstu_bwd_dq_kernel[grid](
+                    q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
+                    drp if pos_grad else so, drt if time_grad else so,
+                    *strides, table, G, H, *scalars,
+                    BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
+                    POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
+                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
+                )  # fmt: skip
+    if fused:
+        dq = dq.mul_(float(alpha)).to(q.dtype)
     if pos_grad:
         drp = drp.to(rp_.dtype)
     if time_grad:

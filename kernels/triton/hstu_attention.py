@@ -7,9 +7,12 @@ Design
 * Forward: one program per (query block, sample, head); the query tile stays in registers and
   the program walks the key blocks of its sample, accumulating ``silu(z) @ V`` in fp32.
   There is no softmax, so no running max/denominator is needed.
-* Backward: two kernels that recompute the scores (no dq atomics, so dq/dk/dv are
+* Backward, two modes (``hstu_attention(..., backward=)``; ``None``: ``default_backward`` of
+  the head dim, "split" everywhere for now).
+* "split": two kernels that recompute the scores (no dq atomics, so dq/dk/dv are
   deterministic).  ``dkdv`` runs one program per (key block, sample, head) and walks the query
-  blocks; ``dq`` runs one program per (query block, sample, head) and walks the key blocks.
+  blocks; ``dq`` runs one program per (query block, sample, head) and walks the key blocks:
+  7 matmuls per tile pair (both compute S and dP).
   The ``dq`` kernel also reduces the bias gradient ``dz`` into the tables (fp32 buffers, cast to
   the table dtype afterwards): ``rab_pos`` with one fp32 ``tl.atomic_add`` per visible pair
   below the clamped last bucket (lanes of a warp hit distinct buckets, so contention is low)
@@ -18,6 +21,17 @@ Design
   fwd+bwd on an H200 with P = 128); ``rab_time`` per tile, looping
   only over the few buckets present in the tile, into a register vector flushed with one vector
   atomic per program (per-pair atomics on ~Tb hot addresses were ~10x slower).
+* "fused": one key-major kernel (``_hstu_bwd_fused_kernel``: the ``dkdv`` kernel's code on the
+  dk/dv tiles, default ``default_block_sizes(dim, "fused")``) that also computes each tile's dq
+  share ``dS K`` ([BLOCK_M, Dqk] fp32, zero on masked pairs) and adds it with ``tl.atomic_add``
+  (fp32, relaxed, masked to the sample's query rows) into a zeroed fp32 ``[T, H, Dqk]`` buffer;
+  after the kernel dq = buffer * alpha, cast to q's dtype.  5 matmuls per tile pair and one
+  launch, but the atomics' order, so dq's last bits, may vary from run to run on a GPU (dk / dv
+  stay deterministic).  The table gradients are reduced by the split ``dq`` kernel alone, so
+  "fused" runs "split" where a ``rab_pos`` / ``rab_time`` gradient is needed:
+  ``hstu_attention`` picks split when a given table requires grad (with the split tiles), and
+  the backward op, asked for "fused", runs split when it must return a table gradient.
+  Biases without gradients run fused (they only enter the logits).
 * Block skipping: for a query block ``[m0, m1)`` the keys that can be unmasked are
   ``[0, m1)`` (causal), ``[0, n - K)`` if the block holds a contextual query, and the diagonal
   ``[m0, m1)`` for candidates; key blocks between the history and the diagonal are skipped.
@@ -42,6 +56,8 @@ from ._launch import (
     BlockSizes,
     _bwd_impl,
     _fwd_impl,
+    check_backward,
+    default_backward,
     default_block_sizes,
     is_interpret_mode,
 )
@@ -74,8 +90,10 @@ def hstu_attention_fwd(
     rab_pos: torch.Tensor | None,
     rab_time: torch.Tensor | None,
     blocks: list[int],
+    backward: str,
 ) -> torch.Tensor:
-    """Forward op. ``blocks`` = the BlockSizes fields of the forward, dk/dv and dq kernels."""
+    """Forward op. ``blocks`` = the BlockSizes fields of the forward, dk/dv and dq kernels;
+    ``backward`` = the backward mode ("split" / "fused"), kept for the backward op."""
     fwd_bs, _ = _unpack_blocks(blocks)
     return _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
                      num_candidates, timestamps, rab_pos, rab_time, fwd_bs)  # fmt: skip
@@ -104,39 +122,41 @@ def hstu_attention_bwd(
     need_rab_pos_grad: bool,
     need_rab_time_grad: bool,
     blocks: list[int],
+    backward: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward op: (dq, dk, dv, d_rab_pos, d_rab_time); absent table grads are empty."""
     _, bwd_bs = _unpack_blocks(blocks)
     return _bwd_impl(grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer,
                      num_contextual, num_candidates, timestamps, rab_pos, rab_time,
-                     need_rab_pos_grad, need_rab_time_grad, bwd_bs)  # fmt: skip
+                     need_rab_pos_grad, need_rab_time_grad, bwd_bs, backward)  # fmt: skip
 
 
 @hstu_attention_bwd.register_fake
 def _(grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt,
-      need_rp, need_rt, blocks):  # fmt: skip
+      need_rp, need_rt, blocks, backward):  # fmt: skip
     drp = rp.new_empty(rp.shape) if rp is not None and need_rp else q.new_empty(0)
     drt = rt.new_empty(rt.shape) if rt is not None and need_rt else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drp, drt
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt, blocks) = inputs
+    (q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt, blocks,
+     backward) = inputs  # fmt: skip
     ctx.save_for_backward(q, k, v, seq_offsets, nc, nk, ts, rp, rt)
-    ctx.args = (max_seqlen, alpha, normalizer, list(blocks))
+    ctx.args = (max_seqlen, alpha, normalizer, list(blocks), backward)
 
 
 def _backward_with(bwd, ctx, grad_out):
     q, k, v, seq_offsets, nc, nk, ts, rp, rt = ctx.saved_tensors
-    max_seqlen, alpha, normalizer, blocks = ctx.args
+    max_seqlen, alpha, normalizer, blocks, backward = ctx.args
     need = ctx.needs_input_grad
     need_rp, need_rt = rp is not None and need[10], rt is not None and need[11]
     dq, dk, dv, drp, drt = bwd(
         grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt,
-        need_rp, need_rt, blocks,
+        need_rp, need_rt, blocks, backward,
     )  # fmt: skip
     return (dq, dk, dv, None, None, None, None, None, None, None,
-            drp if need_rp else None, drt if need_rt else None, None)  # fmt: skip
+            drp if need_rp else None, drt if need_rt else None, None, None)  # fmt: skip
 
 
 def _backward(ctx, grad_out):
@@ -147,8 +167,8 @@ hstu_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _bwd_eager(*args):
-    *rest, blocks = args
-    return _bwd_impl(*rest, _unpack_blocks(blocks)[1])
+    *rest, blocks, backward = args
+    return _bwd_impl(*rest, _unpack_blocks(blocks)[1], backward)
 
 
 class _EagerHstuAttention(torch.autograd.Function):
@@ -157,7 +177,7 @@ class _EagerHstuAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        *args, blocks = inputs
+        *args, blocks, _backward = inputs
         out = _fwd_impl(*args, _unpack_blocks(blocks)[0])
         _setup_context(ctx, inputs, out)
         return out
@@ -247,9 +267,28 @@ def _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, r
         _check_tensor("timestamps", ts, 1, device, _INT_DTYPES, (T,))
 
 
-def _resolve_blocks(block_sizes, q, v) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
+def _resolve_backward(backward, q, v, rab_pos, rab_time) -> str:
+    """The backward mode to run: ``backward``, or the head dim's default for None; "fused"
+    becomes "split" where a bias table requires grad (the split dq kernel reduces those)."""
     dim = max(q.shape[2], v.shape[2])
-    return resolve_tiles(block_sizes, BlockSizes, lambda k: default_block_sizes(dim, k, q.dtype))
+    mode = default_backward(dim, q.dtype) if backward is None else check_backward(backward)
+    if mode == "fused" and any(t is not None and t.requires_grad for t in (rab_pos, rab_time)):
+        return "split"
+    return mode
+
+
+def _resolve_blocks(
+    block_sizes, q, v, backward: str = "split"
+) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
+    """(forward, dk/dv, dq) tiles; the fused backward runs on the dk/dv slot, whose default is
+    then the fused kernel's."""
+    dim = max(q.shape[2], v.shape[2])
+
+    def default(kernel):
+        fused = backward == "fused" and kernel == "dkdv"
+        return default_block_sizes(dim, "fused" if fused else kernel, q.dtype)
+
+    return resolve_tiles(block_sizes, BlockSizes, default)
 
 
 def hstu_attention(
@@ -267,6 +306,7 @@ def hstu_attention(
     rab_pos: torch.Tensor | None = None,
     rab_time: torch.Tensor | None = None,
     block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
+    backward: str | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention (see ``kernels/README.md``); returns ``[T, H, Dv]`` in q's dtype.
 
@@ -274,14 +314,22 @@ def hstu_attention(
     against ``seq_offsets`` to avoid a device sync).  ``block_sizes`` is one ``BlockSizes``
     for every kernel, a ``(forward, backward)`` pair or a ``(forward, dk/dv, dq)`` triple;
     ``None`` picks the defaults tuned per head dim (``default_block_sizes``).
+
+    ``backward``: "split" (a dk/dv and a dq kernel; deterministic), "fused" (one kernel on the
+    dk/dv tiles that adds dq atomically in fp32: the summation order, so dq's last bits, may
+    vary from run to run on a GPU) or ``None`` for the head dim's default
+    (``default_backward``: "split" for now). "fused" falls back to "split" when a gradient
+    of ``rab_pos`` / ``rab_time`` is needed (a table that requires grad): the split dq kernel
+    reduces those. Biases without gradients run fused.
     """
     _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
               num_candidates, timestamps, rab_pos, rab_time)  # fmt: skip
-    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v)
+    mode = _resolve_backward(backward, q, v, rab_pos, rab_time)
+    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
     blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
     args = (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), num_contextual,
             num_candidates, timestamps if rab_time is not None else None, rab_pos, rab_time,
-            blocks)  # fmt: skip
+            blocks, mode)  # fmt: skip
     if EAGER_FAST_PATH and not torch.compiler.is_compiling():
         return _EagerHstuAttention.apply(*args)
     return hstu_attention_fwd(*args)

@@ -1,17 +1,19 @@
 """Registers, spills and shared memory of the Triton attention kernels, compiled for a GPU the
 machine need not have:
 
-    python -m hstu_kernels.triton.resources [--dim 256] [--arch 90] [--kernels fwd,dkdv,dq]
-        [--tiles 64,32,4,2 ...]
+    python -m hstu_kernels.triton.resources [--dim 256] [--arch 90]
+        [--kernels fwd,dkdv,dq,fused] [--tiles 64,32,4,2 ...]
 
-Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate counts, no
-biases, fast sigmoid) with its default tiles and any ``--tiles`` given, and ptxas reports
-registers per thread and spill bytes for the PTX. At head dim 256 every kernel sits at the
-255-register limit and spills (kernels/README.md), so this is how a change to the tiles or to
-a kernel's code is judged on a CPU machine before it is timed on a GPU
-(``scripts/attention_jagged.py --profile`` reads the same from the kernels it loaded). Figures
-depend on the Triton and ptxas versions: compare variants within one install. Needs Triton
-kernels compiled, not interpreted (``TRITON_INTERPRET`` unset).
+Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, and ``fused`` (the fused
+backward's one kernel: dk/dv plus dq added atomically into fp32). Each kernel is compiled as
+bench_upstream calls it (bf16, contextual and candidate counts, no biases, fast sigmoid) with
+its default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill
+bytes for the PTX. At head dim 256 every kernel sits at the 255-register limit and spills
+(kernels/README.md), so this is how a change to the tiles or to a kernel's code is judged on a
+CPU machine before it is timed on a GPU (``scripts/attention_jagged.py --profile`` reads the
+same from the kernels it loaded). Figures depend on the Triton and ptxas versions: compare
+variants within one install. Needs Triton kernels compiled, not interpreted
+(``TRITON_INTERPRET`` unset).
 """
 
 import argparse
@@ -24,17 +26,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ..tiles import KERNELS
-from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel
+from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
 from ._forward import _hstu_fwd_kernel
-from ._launch import BlockSizes, _block_d, default_block_sizes
+from ._launch import TILE_KERNELS, BlockSizes, _block_d, default_block_sizes
 
-_FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel}
+_FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel,
+       "fused": _hstu_bwd_fused_kernel}  # fmt: skip
 # pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
 _POINTERS = {
     **dict.fromkeys(("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ"), "*bf16"),
     **dict.fromkeys(("SeqOffsets", "Ts", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"),
     **dict.fromkeys(("NumCtx", "NumCand", "Sched"), "*i32"),
+    "DQacc": "*fp32",
 }  # absent tables are passed as the int64 offsets, as the launches do
 _FLOATS = ("alpha", "inv_norm")
 
@@ -99,7 +102,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100")
-    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--kernels", default=",".join(TILE_KERNELS))
     ap.add_argument(
         "--tiles", nargs="*", default=[], help="extra tiles: block_m,block_n,warps,stages"
     )

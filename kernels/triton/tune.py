@@ -1,14 +1,16 @@
 """Block-size sweep of the Triton HSTU attention kernels, per head dim (CUDA).
 
     python -m hstu_kernels.triton.tune [--dims 64,128,256] [--seqlen 4096 --batch 8]
+        [--kernels fwd,dkdv,dq,fused]
 
 For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
 shaped like ``configs/bench_upstream.yaml`` (``hstu_kernels.tune_cases``). Each forward candidate
 is timed forward only, each backward candidate backward only (the autograd graph of one
 forward replayed with ``retain_graph``), both as CUDA-event medians; every candidate's
 output and gradients are first compared with the built-in default's (a tile that computes
-something else is reported, never timed). The defaults in ``_launch.default_block_sizes``
-come from this table.
+something else is reported, never timed). ``fused`` rows time the fused backward
+(``backward="fused"``, one kernel on the dk/dv tiles) against the split default's gradients.
+The defaults in ``_launch.default_block_sizes`` come from this table.
 """
 
 import argparse
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 import triton
 
+from ..tiles import KERNELS
 from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs, sweep_table
 from ._launch import BlockSizes, default_block_sizes
 from .bench import _time_ms
@@ -28,7 +31,7 @@ FWD_CANDIDATES = [
     BlockSizes(64, 64, 8, 3), BlockSizes(128, 64, 8, 2), BlockSizes(128, 32, 8, 2),
     BlockSizes(128, 32, 8, 3), BlockSizes(128, 64, 4, 2),
 ]  # fmt: skip
-# the dk/dv kernel accumulates BLOCK_N key rows, the dq kernel BLOCK_M query rows
+# the dk/dv and fused kernels accumulate BLOCK_N key rows, the dq kernel BLOCK_M query rows
 BWD_CANDIDATES = [
     BlockSizes(64, 64, 4, 2), BlockSizes(64, 64, 8, 2), BlockSizes(64, 32, 4, 2),
     BlockSizes(64, 32, 4, 3), BlockSizes(64, 32, 4, 1), BlockSizes(64, 32, 8, 2),
@@ -36,7 +39,15 @@ BWD_CANDIDATES = [
     BlockSizes(32, 32, 8, 2), BlockSizes(128, 32, 8, 2), BlockSizes(64, 16, 4, 2),
     BlockSizes(16, 64, 4, 2), BlockSizes(32, 16, 4, 2),
 ]  # fmt: skip
-PASSES = {"fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES}
+# the fused kernel adds one [D] dq row per query and key block atomically: wide key blocks too
+FUSED_CANDIDATES = [
+    *BWD_CANDIDATES, BlockSizes(64, 128, 8, 2), BlockSizes(32, 128, 8, 2),
+    BlockSizes(32, 128, 4, 2),
+]  # fmt: skip
+PASSES = {
+    "fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES,
+    "fused": FUSED_CANDIDATES,
+}  # fmt: skip
 
 
 def _case(name, lengths, num_candidates, num_contextual, heads, dim, max_seqlen):
@@ -57,28 +68,30 @@ def _rel_err(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def _sweep_case(case, dim, heads, warmup, repeats, tol):
+def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES)):
     """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others' tiles
-    at their defaults; forward timed alone, backward tiles by the backward alone."""
+    at their defaults; forward timed alone, backward tiles by the backward alone (``fused``:
+    the fused backward with the candidate as its tiles, checked against split's gradients)."""
     q, k, v = (x.detach().requires_grad_() for x in case["qkv"])
     offsets, kw, grad = case["offsets"], case["kw"], case["grad"]
     fwd_flops = 4.0 * case["pairs"] * heads * dim
     defaults = {kern: default_block_sizes(dim, kern) for kern in PASSES}
 
     def blocks(kern, bs):
-        return tuple(bs if name == kern else defaults[name] for name in PASSES)
+        slot = "dkdv" if kern == "fused" else kern  # the fused kernel runs on the dk/dv tiles
+        return tuple(bs if name == slot else defaults[name] for name in KERNELS)
 
-    def attention(tiles):
-        return hstu_attention(q, k, v, offsets, **kw, block_sizes=tiles)
+    def attention(tiles, backward="split"):
+        return hstu_attention(q, k, v, offsets, **kw, block_sizes=tiles, backward=backward)
 
     ref_out = attention(blocks("fwd", defaults["fwd"]))
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad)
     rows = []
-    for kern, candidates in PASSES.items():
-        for bs in candidates:
+    for kern in passes:
+        for bs in PASSES[kern]:
             tiles = blocks(kern, bs)
             try:
-                out = attention(tiles)
+                out = attention(tiles, "fused" if kern == "fused" else "split")
                 if kern == "fwd":
                     err = _rel_err(out, ref_out)
                 else:
@@ -115,7 +128,11 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tol", type=float, default=2e-2, help="bf16 rel. error vs the default")
+    ap.add_argument("--kernels", default=",".join(PASSES), help="the passes to sweep")
     args = ap.parse_args(argv)
+    passes = args.kernels.split(",")
+    if unknown := set(passes) - set(PASSES):
+        raise SystemExit(f"--kernels: unknown {sorted(unknown)}, expected some of {list(PASSES)}")
     if not torch.cuda.is_available():
         raise SystemExit("tune needs a CUDA device")
     rng = np.random.default_rng(0)
@@ -129,11 +146,11 @@ def main(argv=None) -> None:
                   args.heads, dim, args.seqlen),
             _case("jagged", lengths, cand, 4, args.heads, dim, MAX_SEQLEN),
         ]  # fmt: skip
-        results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
-                   for c in cases}  # fmt: skip
+        results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol,
+                                          passes) for c in cases}  # fmt: skip
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
-        print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq rows: backward time)")
-        print(sweep_table(results, PASSES, "m,n,warps,stages"))
+        print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq / fused rows: backward time)")
+        print(sweep_table(results, passes, "m,n,warps,stages"))
         del cases
         torch.cuda.empty_cache()
 

@@ -6,6 +6,7 @@ triton is imported) on small shapes; with CUDA they run compiled on larger shape
 
 import importlib
 import os
+import re
 import zlib
 
 import numpy as np
@@ -27,6 +28,7 @@ from hstu_kernels.triton import (  # noqa: E402
     hstu_mask_reference,
 )
 from hstu_kernels.triton.hstu_attention import (  # noqa: E402
+    hstu_attention_bwd,
     hstu_attention_fwd,
     is_interpret_mode,
 )
@@ -206,6 +208,76 @@ def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
+class _LaunchSpy:
+    """Stands in for a kernel of ``_launch``: counts its launches, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+# (case, dtype, tiles, table grads): the fused backward on the masks, biases in the logits
+# without table grads (fused), with them (split runs), bf16, and block_m != block_n
+FUSED_COMBOS = [
+    ("ctx_cand", torch.float32, "default", False),
+    ("ctx_cand", torch.float32, "uneven", False),
+    ("ctx_cand_rab", torch.float32, "default", False),
+    ("ctx_cand_rab", torch.bfloat16, "default", False),
+    ("ctx_cand_pos", torch.float32, "default", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype", "tiles", "table_grads"),
+    FUSED_COMBOS,
+    ids=[f"{c}-{str(d)[6:]}-{t}{'-table_grads' * g}" for c, d, t, g in FUSED_COMBOS],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_backward_matches_split_and_reference(
+    mode, case, dtype, tiles, table_grads, monkeypatch
+):
+    """backward="fused" (one key-major kernel, dq added atomically in fp32) gives the split
+    backward's and the reference's gradients, zero on capacity-padding rows; with table
+    gradients needed it runs the split kernels (they reduce those)."""
+    seed = zlib.crc32(f"{mode}/{case}/{dtype}".encode())
+    qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, seed)
+    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
+    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
+    blocks = SHAPES[mode]["blocks"][tiles]
+
+    def run(fn, to, **extra):
+        leaves = [x.to(dtype).to(to).clone().requires_grad_() for x in qkv]
+        tabs = [t.clone().requires_grad_(table_grads) for t in tables.values()]
+        out = fn(*leaves, offsets, **kw, **dict(zip(tables, tabs)), **extra)
+        wrt = leaves + (tabs if table_grads else [])
+        return out, torch.autograd.grad(out, wrt, grad_out.to(to))
+
+    out, split = run(hstu_attention, dtype, block_sizes=blocks, backward="split")
+    assert not spy.grids
+    if table_grads:
+        # the entry picks split where a table requires grad; past it, the backward op asked
+        # for "fused" runs split as well (the split dq kernel reduces the table gradients)
+        table = tables["rab_pos"].clone().requires_grad_()
+        picked = hstu_attention_module._resolve_backward("fused", qkv[0], qkv[2], table, None)
+        assert picked == "split"
+        monkeypatch.setattr(hstu_attention_module, "_resolve_backward", lambda b, *_: b)
+    fused_out, fused = run(hstu_attention, dtype, block_sizes=blocks, backward="fused")
+    assert len(spy.grids) == (0 if table_grads else 1)
+    _, ref = run(hstu_attention_reference, torch.float32)
+    assert torch.equal(fused_out, out)
+    tol = TOL[dtype]
+    names = ["q", "k", "v", *(tables if table_grads else ())]
+    for name, g, sg, rg in zip(names, fused, split, ref, strict=True):
+        assert g.dtype == sg.dtype and g.shape == sg.shape, name
+        _assert_close(g, sg, tol, f"d{name} fused vs split")
+        _assert_close(g, rg, max(tol, 1e-4) if name.startswith("rab") else tol, f"d{name}")
+        if name in ("q", "k", "v"):
+            assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
+
+
 @pytest.mark.parametrize("pos_buckets", ["few", "all"])
 @pytest.mark.parametrize("mode", MODES)
 def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, monkeypatch):
@@ -305,63 +377,126 @@ def test_hstu_attention_validation(mode):
             hstu_attention(q, q.cpu(), q, offs, **kw)
     with pytest.raises(ValueError, match="block_sizes"):
         hstu_attention(q, q, q, offs, **kw, block_sizes=(BlockSizes(),) * 4)
+    for bad in ("Fused", "", 1):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"backward must be None or one of {_launch.BACKWARDS}, got {bad!r}"),
+        ):
+            hstu_attention(q, q, q, offs, **kw, backward=bad)
 
 
 def test_default_tiles_per_head_dim_and_kernel():
-    """Every head dim up to 256 maps to a tuned row; each kernel has its own tiles there."""
+    """Every head dim up to 256 maps to a tuned row; each kernel (the fused backward's too)
+    has its own tiles there. The backward stays "split" until "fused" is timed on a GPU."""
     tuned = _launch._TUNED
     if _INTERPRET:
         assert _launch.default_block_sizes(256, "dkdv") == _launch.INTERPRET_BLOCK_SIZES
+        assert _launch.default_block_sizes(256, "fused") == _launch.INTERPRET_BLOCK_SIZES
     else:
         for dim, row in ((8, 64), (64, 64), (96, 128), (128, 128), (200, 256), (256, 256)):
-            for kernel in _launch.KERNELS:
+            for kernel in _launch.TILE_KERNELS:
                 assert _launch.default_block_sizes(dim, kernel) == tuned[row][kernel]
         assert _launch.default_block_sizes(512, "fwd").block_m <= 32
-    assert set(tuned[256]) == set(_launch.KERNELS)
+    for row in tuned.values():
+        assert set(row) == set(_launch.TILE_KERNELS)
     assert tuned[256]["dkdv"] != tuned[256]["dq"]  # D=256: the dk/dv kernel's own tile
     with pytest.raises(ValueError, match="kernel"):
         _launch.default_block_sizes(128, "bwd")
+    for dim in (16, 64, 128, 256, 512):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert _launch.default_backward(dim, dtype) == "split"
 
 
+@pytest.mark.parametrize("backward", ["split", "fused"])
 @pytest.mark.parametrize("mode", MODES)
-def test_custom_op_registration_and_graph_capture(mode, monkeypatch):
+def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch):
+    """The ops' schemas, fake kernels and autograd (opcheck), torch.compile with fullgraph and
+    eager through the op agree with the eager fast path, in either backward mode (fused: the
+    bias table takes no gradient, else split would run)."""
     dev = _device(mode)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(20, 2, 16, generator=gen).to(dev) for _ in range(3))
     offs = torch.tensor([0, 7, 18], device=dev)
     rab_pos = torch.randn(2, 8, generator=gen).to(dev)
     blocks = [16, 16, 1, 1, 16, 16, 1, 1] if mode == "interpret" else [64, 64, 4, 2] * 2
-    args = (q, k, v, offs, 16, 0.5, 16.0, None, None, None, rab_pos, None, blocks)
+    args = (q, k, v, offs, 16, 0.5, 16.0, None, None, None, rab_pos, None, blocks, backward)
     torch.library.opcheck(hstu_attention_fwd, args)
+    if backward == "fused":
+        bwd_args = (torch.randn_like(v), *args[:12], False, False, blocks, backward)
+        torch.library.opcheck(hstu_attention_bwd, bwd_args)
+    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
+    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
 
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
+    table_grad = backward == "split"
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    leaves.append(rab_pos.clone().requires_grad_(table_grad))
     bs = SHAPES[mode]["blocks"]["default"]
 
     def f(q, k, v, rab_pos):
         out = hstu_attention(
             q, k, v, offs, max_seqlen=16, alpha=0.5, normalizer=16.0, rab_pos=rab_pos,
-            block_sizes=bs,
+            block_sizes=bs, backward=backward,
         )  # fmt: skip
         return (out.float() ** 2).sum()
 
+    def grads(fn, xs):
+        loss = fn(*xs)
+        return loss, torch.autograd.grad(loss, [x for x in xs if x.requires_grad])
+
+    def fresh():
+        return [x.detach().clone().requires_grad_(x.requires_grad) for x in leaves]
+
     backend = "aot_eager" if mode == "interpret" else "inductor"
     compiled = torch.compile(f, backend=backend, fullgraph=True)
-    loss = compiled(*leaves)
-    grads = torch.autograd.grad(loss, leaves)
-    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
-    ref = f(*ref_leaves)  # eager: the autograd.Function fast path
-    ref_grads = torch.autograd.grad(ref, ref_leaves)
+    loss, compiled_grads = grads(compiled, fresh())
+    launches = len(spy.grids)
+    ref, ref_grads = grads(f, fresh())  # eager: the autograd.Function fast path
+    assert len(ref_grads) == (4 if table_grad else 3)
     torch.testing.assert_close(loss, ref)
-    for g, rg in zip(grads, ref_grads):
+    for g, rg in zip(compiled_grads, ref_grads, strict=True):
         torch.testing.assert_close(g, rg)
     # eager through the torch.library op (register_autograd) gives the same
     monkeypatch.setattr(hstu_attention_module, "EAGER_FAST_PATH", False)
-    op_leaves = [x.clone().requires_grad_() for x in (q, k, v, rab_pos)]
-    op_out = f(*op_leaves)
-    op_grads = torch.autograd.grad(op_out, op_leaves)
+    op_out, op_grads = grads(f, fresh())
     torch.testing.assert_close(op_out, ref)
-    for g, rg in zip(op_grads, ref_grads):
+    for g, rg in zip(op_grads, ref_grads, strict=True):
         torch.testing.assert_close(g, rg)
+    # one fused launch per backward (compiled, eager, op), none for split
+    assert (launches, len(spy.grids)) == ((1, 3) if backward == "fused" else (0, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
+def test_fused_backward_replays_in_a_cuda_graph(monkeypatch):
+    """The fused backward (fp32 buffer, atomics, scale and cast after) syncs nothing with the
+    host: forward + backward captured in a CUDA graph replay to the eager gradients."""
+    dtype = torch.bfloat16
+    qkv, offsets, kw, tables, grad_out, total = _make_inputs("cuda", "ctx_cand_rab", dtype, 11)
+    leaves = [x.to(dtype).requires_grad_() for x in qkv]
+    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
+
+    def step():
+        out = hstu_attention(*leaves, offsets, **kw, **tables, backward="fused")
+        return torch.autograd.grad(out, leaves, grad_out.to(dtype))
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
+    with torch.cuda.graph(graph):
+        captured = step()
+    assert len(spy.grids) == 1
+    for x in captured:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, eg in zip("qkv", captured, eager, strict=True):
+        _assert_close(g, eg, TOL[dtype], f"d{name} replayed")
+        assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -388,9 +523,10 @@ def test_kernel_schedule_matches_the_reference(mode, key_major):
 
 
 def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
-    """`python -m hstu_kernels.triton.resources` compiles the kernels for sm_90a on a machine
-    without that GPU (its own process: the kernels here may be interpreted) and reports
-    registers within the hardware's 255, spill bytes and shared memory for each kernel."""
+    """`python -m hstu_kernels.triton.resources` compiles the kernels (forward, the split
+    backward's two and the fused backward's one) for sm_90a on a machine without that GPU (its
+    own process: the kernels here may be interpreted) and reports registers within the
+    hardware's 255, spill bytes and shared memory for each kernel."""
     import subprocess
     import sys
 
@@ -399,8 +535,9 @@ def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
     cmd = [sys.executable, "-m", "hstu_kernels.triton.resources", "--dim", "64"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[0] in _launch.KERNELS]
-    assert [(r[0], r[2]) for r in rows] == [(k, "(default)") for k in ("fwd", "dkdv", "dq")]
+    kernels = _launch.TILE_KERNELS
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[0] in kernels]
+    assert [(r[0], r[2]) for r in rows] == [(k, "(default)") for k in kernels]
     for r in rows:
         regs, (stores, loads), smem = int(r[-3]), r[-2].split("/"), int(r[-1])
         assert 0 < regs <= 255 and int(stores) >= 0 and int(loads) >= 0 and smem > 0, r
