@@ -34,6 +34,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel (`kernel[grid](...)`): records each launch's grid, then
+    launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def spy_launches(monkeypatch):
+    """`spy(module, name)`: kernel `module.name` replaced, for the test, by a `LaunchSpy`."""
+
+    def spy(module, name: str) -> LaunchSpy:
+        found = LaunchSpy(getattr(module, name))
+        monkeypatch.setattr(module, name, found)
+        return found
+
+    return spy
+
+
 # The publisher-format sample the prepared-data tests train on: 600 users, 300 items, 5-40
 # events each (13k events), enough that a one-layer model learns the planted walk in a few
 # hundred steps. Numpy only; prepared once per session.

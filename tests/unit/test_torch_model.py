@@ -224,19 +224,18 @@ def test_kernel_switch_needs_cuda_or_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("bias_grads", [True, False], ids=["bias-grads", "no-bias"])
-def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, monkeypatch):
+def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_launches):
     """`model.attention_backward` reaches the Triton kernel (interpreted here): fused and split
     give the same loss and gradients; with bias tables that need gradients the kernel runs
     split (the dq kernel reduces them), without biases it runs the fused kernel."""
     import hstu_kernels.triton._launch as launch
 
     biases = [] if bias_grads else ["model.rab_position_buckets=0", "model.rab_time_buckets=0"]
-    launched = []
-    for name in ("_hstu_bwd_dq_kernel", "_hstu_bwd_fused_kernel"):
-        kernel = getattr(launch, name)
-        monkeypatch.setattr(launch, name, _Counted(kernel, name, launched))
-    grads = {}
+    grads, launched = {}, []
     for mode in ("split", "fused"):
+        spies = {
+            n: spy_launches(launch, n) for n in ("_hstu_bwd_dq_kernel", "_hstu_bwd_fused_kernel")
+        }
         cfg = _cfg("ranking", "model.num_layers=1", "model.attention=kernel", *biases)
         cfg.model.attention_backward = mode
         model = HSTUModel(cfg.model)
@@ -244,22 +243,12 @@ def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, monk
         loss, _ = model(to_torch(make_global_batch(cfg, 4, (4,))[0]), 10)
         loss.backward()
         grads[mode] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})
+        launched += [n for n, spy in spies.items() if spy.grids]
     want_fused = [] if bias_grads else ["_hstu_bwd_fused_kernel"]
     assert launched == ["_hstu_bwd_dq_kernel", *(want_fused or ["_hstu_bwd_dq_kernel"])]
     assert grads["fused"][0] == grads["split"][0]
     for name, g in grads["split"][1].items():
         np.testing.assert_allclose(grads["fused"][1][name], g, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-class _Counted:
-    """A Triton kernel whose launches (`kernel[grid](...)`) are recorded by name."""
-
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.name)
-        return self.kernel[grid]
 
 
 @pytest.mark.gpu

@@ -208,17 +208,6 @@ def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
-class _LaunchSpy:
-    """Stands in for a kernel of ``_launch``: counts its launches, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 # (case, dtype, tiles, table grads): the fused backward on the masks, biases in the logits
 # without table grads (fused), with them (split runs), bf16, and block_m != block_n
 FUSED_COMBOS = [
@@ -237,15 +226,14 @@ FUSED_COMBOS = [
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_backward_matches_split_and_reference(
-    mode, case, dtype, tiles, table_grads, monkeypatch
+    mode, case, dtype, tiles, table_grads, monkeypatch, spy_launches
 ):
     """backward="fused" (one key-major kernel, dq added atomically in fp32) gives the split
     backward's and the reference's gradients, zero on capacity-padding rows; with table
     gradients needed it runs the split kernels (they reduce those)."""
     seed = zlib.crc32(f"{mode}/{case}/{dtype}".encode())
     qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, seed)
-    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
-    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
+    spy = spy_launches(_launch, "_hstu_bwd_fused_kernel")
     blocks = SHAPES[mode]["blocks"][tiles]
 
     def run(fn, to, **extra):
@@ -409,7 +397,7 @@ def test_default_tiles_per_head_dim_and_kernel():
 
 @pytest.mark.parametrize("backward", ["split", "fused"])
 @pytest.mark.parametrize("mode", MODES)
-def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch):
+def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch, spy_launches):
     """The ops' schemas, fake kernels and autograd (opcheck), torch.compile with fullgraph and
     eager through the op agree with the eager fast path, in either backward mode (fused: the
     bias table takes no gradient, else split would run)."""
@@ -424,8 +412,7 @@ def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch):
     if backward == "fused":
         bwd_args = (torch.randn_like(v), *args[:12], False, False, blocks, backward)
         torch.library.opcheck(hstu_attention_bwd, bwd_args)
-    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
-    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
+    spy = spy_launches(_launch, "_hstu_bwd_fused_kernel")
 
     table_grad = backward == "split"
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -467,13 +454,12 @@ def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
-def test_fused_backward_replays_in_a_cuda_graph(monkeypatch):
+def test_fused_backward_replays_in_a_cuda_graph(spy_launches):
     """The fused backward (fp32 buffer, atomics, scale and cast after) syncs nothing with the
     host: forward + backward captured in a CUDA graph replay to the eager gradients."""
     dtype = torch.bfloat16
     qkv, offsets, kw, tables, grad_out, total = _make_inputs("cuda", "ctx_cand_rab", dtype, 11)
     leaves = [x.to(dtype).requires_grad_() for x in qkv]
-    spy = _LaunchSpy(_launch._hstu_bwd_fused_kernel)
 
     def step():
         out = hstu_attention(*leaves, offsets, **kw, **tables, backward="fused")
@@ -486,7 +472,7 @@ def test_fused_backward_replays_in_a_cuda_graph(monkeypatch):
         step()  # warm-up off the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    monkeypatch.setattr(_launch, "_hstu_bwd_fused_kernel", spy)
+    spy = spy_launches(_launch, "_hstu_bwd_fused_kernel")
     with torch.cuda.graph(graph):
         captured = step()
     assert len(spy.grids) == 1
