@@ -22,11 +22,13 @@ static part of the pytree, hence the jit cache key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hstu.batch import JaggedBatch
 from hstu.errors import HSTUError
@@ -224,18 +226,49 @@ def to_device(
     copy is asynchronous. Multi-process callers must pass a spec agreed on by every process
     (e.g. from the gathered stats): array shapes are global.
     """
+    return to_device_with(batches, sharding, spec)[0]
+
+
+def to_device_with(
+    batches: Sequence[JaggedBatch],
+    sharding: jax.sharding.Sharding,
+    spec: BatchSpec | None = None,
+    scalars: Mapping[str, np.generic | np.ndarray] | None = None,
+) -> tuple[DeviceBatch, dict[str, jax.Array]]:
+    """`to_device`, plus host `scalars` placed replicated over the mesh (`P()`), returned by
+    name with their host dtypes.
+
+    A step argument that is a host scalar costs a transfer of its own at every call (a
+    `DevicePut` on the dispatching thread, the device idle meanwhile); placed here, it rides
+    the batch's one batched copy. Replicated is the sharding a shard_map in_spec `P()`
+    expects, so the jitted step takes the array as is. Every process must pass the same
+    values (multi-process: each process supplies its copy, nothing checks them).
+    """
     spec = spec or spec_from_batches(batches)
     host = host_arrays(batches, spec)
+    scal = {k: np.asarray(v) for k, v in (scalars or {}).items()}
+    if any(v.ndim for v in scal.values()):
+        shapes = {k: v.shape for k, v in scal.items()}
+        raise HSTUError(f"to_device_with: scalars must be 0-d, got shapes {shapes}")
+    if scal and not isinstance(sharding, NamedSharding):
+        raise HSTUError("to_device_with: replicated scalars need a NamedSharding (its mesh)")
+    replicated = NamedSharding(sharding.mesh, P()) if scal else sharding  # ({}: no leaves)
     world = sharding.mesh.devices.size if hasattr(sharding, "mesh") else len(batches)
     if sharding.is_fully_addressable:  # one process holds every rank: one batched transfer
-        dev = jax.device_put(host, sharding)
+        dev, put = jax.device_put((host, scal), (sharding, replicated))
     else:
 
-        def put(x):
+        def put_rows(x):
             return jax.make_array_from_process_local_data(sharding, x, (world, *x.shape[1:]))
 
-        dev = jax.tree.map(put, host)
-    return DeviceBatch(dev["lengths"], dev["values"], dev["dense"], dev["num_real"], spec)
+        dev = jax.tree.map(put_rows, host)
+        # Each process's copy of the replicated value, not `device_put` of host data onto a
+        # multi-process sharding: that first checks, with a collective, that they agree.
+        put = {
+            k: jax.make_array_from_process_local_data(replicated, v, ()) for k, v in scal.items()
+        }
+    batch = DeviceBatch(dev["lengths"], dev["values"], dev["dense"], dev["num_real"], spec)
+    return batch, put
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -27,7 +27,14 @@ from hstu.batch import JaggedBatch
 from hstu.errors import HSTUError
 from hstu.jax_backend import batch as jb
 from hstu.jax_backend import collectives as col
-from hstu.pipeline import NUM_FIXED_STATS, Balancer, Prepared, gathered_lengths, sample_stats
+from hstu.pipeline import (
+    NUM_FIXED_STATS,
+    STAT_LOSS_TOKENS,
+    Balancer,
+    Prepared,
+    gathered_lengths,
+    sample_stats,
+)
 from hstu.shuffle_plan import ShufflePlan, exchange_reference
 from hstu.workload import HSTUCost
 
@@ -43,6 +50,11 @@ class Placed:
     host: list[JaggedBatch] | None  # until the global shape is known
     batch: jb.DeviceBatch | None = None
     lengths: dict[str, np.ndarray] = field(default_factory=dict)  # per key [W * B], global
+    # The global loss-token count (the step's divisor), known from the stats gather, and its
+    # float32 copy replicated over the mesh, placed with the batch (`JaxShuffler._materialize`)
+    # so the step needs no transfer of its own; None for a batch that skipped the gather.
+    loss_tokens: int | None = None
+    loss_tokens_device: jax.Array | None = None
 
     @property
     def token_capacity(self) -> int:
@@ -184,6 +196,7 @@ class JaxShuffler:
         if self._pending:
             placed = self._pending.pop(0)
             placed.lengths = gathered_lengths(stats, placed.host[0].keys)
+            placed.loss_tokens = int(stats[:, STAT_LOSS_TOKENS].sum())
             if not self.host_exchange:  # else the exchange copies the balanced batch (or
                 self._materialize(placed, placed.lengths)  # `ensure`, the batch as loaded)
         return stats
@@ -192,8 +205,10 @@ class JaxShuffler:
         w = self.world_size
         rank_lengths = {k: v.reshape(w, -1) for k, v in lengths.items()}
         spec = jb.spec_for(placed.host[0], rank_lengths, self.capacity)
+        count = placed.loss_tokens  # rides the batch's copy (the step's divisor, float32)
+        scalars = {} if count is None else {"loss_tokens": np.float32(count)}
         try:
-            placed.batch = jb.to_device(placed.host, self.sharding, spec)
+            placed.batch, put = jb.to_device_with(placed.host, self.sharding, spec, scalars)
         except HSTUError as exc:  # say which rank's batch cannot go to the device
             for rank, batch in zip(self.local_ranks, placed.host, strict=True):
                 try:
@@ -202,6 +217,7 @@ class JaxShuffler:
                     raise HSTUError(f"invalid batch on rank {rank}: {one}") from exc
             raise
         placed.lengths, placed.host = lengths, None
+        placed.loss_tokens_device = put.get("loss_tokens")
 
     def ensure(self, placed: Placed) -> Placed:
         """Copy a batch that is not on the devices yet (single process only): one that skipped
@@ -224,7 +240,8 @@ class JaxShuffler:
         if self.host_exchange and placed.batch is None:
             # One process holds every rank's batch: apply the plan on the host and copy each
             # device its balanced batch (what the device exchange yields, byte for byte).
-            moved = Placed(exchange_reference(placed.host, plan))
+            # Moving samples between ranks leaves the global loss-token count as it is.
+            moved = Placed(exchange_reference(placed.host, plan), loss_tokens=placed.loss_tokens)
             after = _rank_lengths(placed.lengths, plan.indices)
             self._materialize(moved, {k: v.reshape(-1) for k, v in after.items()})
             return moved
@@ -236,7 +253,8 @@ class JaxShuffler:
         local = {k: col.put_local(self.mesh, v[self.local_ranks]) for k, v in tables.items()}
         out = col.exchange_fn(self.mesh, xspec)(placed.batch, local)
         after = _rank_lengths(placed.lengths, plan.indices)
-        return Placed(None, out, {k: v.reshape(-1) for k, v in after.items()})
+        lengths = {k: v.reshape(-1) for k, v in after.items()}  # the count stays: replicated
+        return Placed(None, out, lengths, placed.loss_tokens, placed.loss_tokens_device)
 
     def shuffle(
         self,

@@ -219,10 +219,22 @@ class JaxBackend:
 
     def forward_backward(self, placed: Placed, global_loss_tokens: int):
         """Dispatches forward, backward, gradient psum *and* the AdamW update (one program,
-        async): the pipeline's exchange of the next batch queues behind it."""
+        async): the pipeline's exchange of the next batch queues behind it.
+
+        The loss-token count goes in as the replicated device scalar placed with the batch
+        (`Placed.loss_tokens_device`): a host scalar would cost a transfer of its own per step.
+        A batch that skipped the stats gather has none and passes the host value."""
         placed = self.shuffler.ensure(placed)
         self.shuffler.compiled.add(("train_step", placed.batch.spec))
-        self.state, metrics = self.step_fn(self.state, placed.batch, np.float32(global_loss_tokens))
+        if placed.loss_tokens is not None and placed.loss_tokens != int(global_loss_tokens):
+            raise HSTUError(
+                f"forward_backward: the batch was placed with {placed.loss_tokens} global loss "
+                f"tokens (its stats gather), but the step was given {int(global_loss_tokens)}"
+            )
+        tokens = placed.loss_tokens_device
+        if tokens is None:
+            tokens = np.float32(global_loss_tokens)
+        self.state, metrics = self.step_fn(self.state, placed.batch, tokens)
         return metrics, placed
 
     def optimizer_step(self, handle):

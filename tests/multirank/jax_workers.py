@@ -182,9 +182,12 @@ def exchange(cases: list, num_keys_check: int = 12) -> dict:
 
 
 def invariance(tasks: list, cases: list) -> dict:
-    """Loss and gradients: identity placement vs balanced exchange (both kinds)."""
+    """Loss and gradients: identity placement vs balanced exchange (both kinds); each
+    batch's placed loss-token count (a replicated device scalar) against the host value."""
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from hstu.jax_backend import collectives as col
     from hstu.jax_backend.model import build_model, flax_to_params
@@ -216,16 +219,30 @@ def invariance(tasks: list, cases: list) -> dict:
                 prep = JaxShuffler(mesh, exchange, host_exchange=on_host).shuffle(
                     host, cost, task, shuffler=shuffler
                 )
-                (loss, aux), grads = grad_fn(state.params, prep.device_batch.batch, glt, state.rng)
+                # The count rides the batch's copy: a float32 scalar replicated on every device.
+                tokens = prep.device_batch.loss_tokens_device
+                tokens_ok = (
+                    prep.device_batch.loss_tokens == int(glt)
+                    and tokens is not None
+                    and tokens.dtype == np.float32
+                    and float(tokens) == glt
+                    and tokens.sharding == NamedSharding(mesh, P())
+                    and tokens.sharding.is_fully_replicated
+                    and tokens.sharding.device_set == set(jax.devices())
+                )
+                batch = prep.device_batch.batch
+                (loss, aux), grads = grad_fn(state.params, batch, tokens, state.rng)
+                (host_loss, _), _ = grad_fn(state.params, batch, glt, state.rng)
                 results[kind] = (
                     float(loss),
                     flax_to_params(grads),
                     prep.device_batch.token_capacity,
                     prep.plan.num_moved(),
+                    bool(tokens_ok and float(loss) == float(host_loss)),
                 )
-            base_loss, base_grads, cap, _ = results["identity"]
+            base_loss, base_grads, cap, _, base_tokens_ok = results["identity"]
             for kind in ("allgather", "all2all", "host"):
-                loss, grads, cap_after, moved = results[kind]
+                loss, grads, cap_after, moved, tokens_ok = results[kind]
                 worst = max(
                     float(
                         np.linalg.norm(grads[k] - base_grads[k])
@@ -245,6 +262,7 @@ def invariance(tasks: list, cases: list) -> dict:
                         "grad_rel": worst,
                         "loss": loss,
                         "capacity": [cap, cap_after],
+                        "loss_tokens_ok": [base_tokens_ok, tokens_ok],
                     }
                 )
     return {"results": out}

@@ -1,6 +1,7 @@
 """JAX training on several host devices (each run in a fresh interpreter):
 
-* identity and balanced shuffling give the same loss and gradients (fp32, rel 1e-5);
+* identity and balanced shuffling give the same loss and gradients (fp32, rel 1e-5), and
+  their batches carry the loss-token count as a replicated device scalar;
 * save, kill, resume from an Orbax checkpoint continues the uninterrupted loss curve;
 * `hstu train --backend jax` end to end writes config.yaml and the CLI-contract metrics;
 * the library example runs;
@@ -34,6 +35,7 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
     for r in out["results"]:
         assert r["moved"] > 0 and r["finite"], r  # the balanced plan really moved samples
         assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        assert r["loss_tokens_ok"] == [True, True], r  # placed with the batch, same loss
 
 
 @pytest.mark.multirank

@@ -7,6 +7,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from hstu.batch import JaggedBatch, empty_like  # noqa: E402
 from hstu.config import load_config  # noqa: E402
 from hstu.data.synthetic import dataset_from_config  # noqa: E402
@@ -14,7 +17,9 @@ from hstu.errors import HSTUError  # noqa: E402
 from hstu.jax_backend import batch as jb  # noqa: E402
 from hstu.jax_backend import collectives as col  # noqa: E402
 from hstu.jax_backend.shuffler import JaxShuffler, plan_exchange  # noqa: E402
+from hstu.pipeline import STAT_LOSS_TOKENS, sample_stats  # noqa: E402
 from hstu.shuffle_plan import identity_plan, make_plan  # noqa: E402
+from hstu.workload import HSTUCost  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +135,68 @@ def test_all2all_tables_move_only_real_samples():
         assert (rows[plan.num_real[d] :] == w * r + b).all()
     ag_spec, ag = plan_exchange(plan, stats_lengths, spec, "allgather")
     assert np.array_equal(ag["rows"], plan.indices) and ag_spec.spec_out == xspec.spec_out
+
+
+def test_to_device_with_places_replicated_scalars(mesh):
+    host = _batches()[0]
+    sharding = col.rank_sharding(mesh)
+    dev, put = jb.to_device_with([host], sharding, scalars={"n": np.float32(37)})
+    assert jb.to_jagged(dev)[0].diff(host) == [] and set(put) == {"n"}
+    n = put["n"]
+    assert n.shape == () and n.dtype == np.float32 and float(n) == 37.0
+    assert n.sharding == NamedSharding(mesh, P()) and n.sharding.is_fully_replicated
+    assert jb.to_device_with([host], sharding)[1] == {}  # no scalars: `to_device`'s batch
+    with pytest.raises(HSTUError, match="0-d"):
+        jb.to_device_with([host], sharding, scalars={"n": np.zeros(2, np.float32)})
+
+
+def _cost() -> HSTUCost:
+    return HSTUCost.from_model_config(load_config("configs/demo.yaml").model)
+
+
+def _loss_tokens_ok(placed, stats: np.ndarray, mesh) -> None:
+    """`placed` carries the stats' global loss-token count, on the devices: a float32 scalar
+    replicated over the whole mesh (the sharding of the step's in_spec `P()`)."""
+    count = int(stats[:, STAT_LOSS_TOKENS].sum())
+    assert count > 0 and placed.loss_tokens == count
+    dev = placed.loss_tokens_device
+    assert isinstance(dev, jax.Array) and dev.shape == () and dev.dtype == np.float32
+    assert float(dev) == float(count)
+    assert dev.sharding == NamedSharding(mesh, P()) and dev.sharding.is_fully_replicated
+    assert dev.sharding.device_set == set(mesh.devices.flat)
+
+
+@pytest.mark.parametrize(
+    "shuffler, on_host",
+    [("identity", True), ("balanced", True), ("identity", False), ("balanced", False)],
+)
+def test_loss_tokens_ride_the_batch_copy(mesh, shuffler, on_host):
+    """After the stats gather and the copy, the batch carries its loss-token count on the
+    devices: identity (`ensure`), the host exchange and the device exchange alike."""
+    host = _batches(num_samples=6)
+    sh = JaxShuffler(mesh, "all2all", host_exchange=on_host)
+    prep = sh.shuffle(host, _cost(), "ranking", shuffler=shuffler)
+    _loss_tokens_ok(prep.device_batch, prep.stats, mesh)
+    assert jb.to_jagged(prep.device_batch.batch)[0].diff(host[0]) == []
+
+
+def test_loss_tokens_share_the_batch_device_put(mesh, monkeypatch):
+    """One `jax.device_put` places the batch and its count (a second would be a transfer of
+    its own); a batch that skipped the stats gather has no count."""
+    host = _batches(num_samples=6)
+    stats = sample_stats(host, _cost(), "ranking")
+    sh = JaxShuffler(mesh)  # one process: the host exchange, the copy at `ensure`
+    placed = sh.to_device(host)
+    sh.allgather_stats(stats)
+    assert placed.batch is None and placed.loss_tokens_device is None
+    calls = []
+    real_put = jax.device_put
+    monkeypatch.setattr(
+        jax, "device_put", lambda x, *a, **k: calls.append(x) or real_put(x, *a, **k)
+    )
+    sh.ensure(placed)
+    monkeypatch.undo()
+    assert len(calls) == 1 and set(calls[0][1]) == {"loss_tokens"}
+    _loss_tokens_ok(placed, stats, mesh)
+    skipped = sh.ensure(sh.to_device(host))
+    assert skipped.loss_tokens is None and skipped.loss_tokens_device is None

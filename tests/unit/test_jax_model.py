@@ -12,12 +12,21 @@ import jax.numpy as jnp  # noqa: E402
 
 from hstu.config import load_config  # noqa: E402
 from hstu.data.synthetic import dataset_from_config  # noqa: E402
+from hstu.errors import HSTUError  # noqa: E402
 from hstu.jax_backend import batch as jb  # noqa: E402
 from hstu.jax_backend import collectives as col  # noqa: E402
 from hstu.jax_backend.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from hstu.jax_backend.model import build_model, flax_to_params, params_to_flax  # noqa: E402
-from hstu.jax_backend.train_step import make_optimizer  # noqa: E402
+from hstu.jax_backend.shuffler import JaxShuffler  # noqa: E402
+from hstu.jax_backend.train_step import (  # noqa: E402
+    JaxBackend,
+    init_state,
+    make_optimizer,
+    make_train_step,
+)
 from hstu.params import init_params, param_shapes  # noqa: E402
+from hstu.pipeline import STAT_LOSS_TOKENS, sample_stats  # noqa: E402
+from hstu.workload import HSTUCost  # noqa: E402
 
 SMALL = [
     "model.embedding_dim=16",
@@ -279,3 +288,52 @@ def test_checkpoint_step_names_keep_latest_and_restore(tmp_path):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     ckpt.close()
     reopened.close()
+
+
+# ------------------------------------------------------------------ the backend's step
+def _backend(cfg) -> JaxBackend:
+    mesh = col.make_mesh(jax.devices()[:1])
+    model = build_model(cfg.model, cfg.data.max_seqlen, interpret=True)
+    opt = make_optimizer(cfg.train)
+    state = init_state(init_params(cfg.model, seed=0), opt, mesh, cfg.train.seed)
+    step = make_train_step(model, opt, mesh, donate=False)
+    return JaxBackend(JaxShuffler(mesh), step, state, model, opt)
+
+
+def _placed(backend: JaxBackend, cfg, host, gather: bool = True):
+    """(Placed, its global loss-token count): after the stats gather, or without it."""
+    stats = sample_stats(host, HSTUCost.from_model_config(cfg.model), cfg.model.task)
+    placed = backend.to_device(host)
+    if gather:
+        backend.allgather_stats(stats)
+    else:
+        placed = backend.shuffler.ensure(placed)
+        assert placed.loss_tokens_device is None
+    return placed, int(stats[:, STAT_LOSS_TOKENS].sum())
+
+
+def test_step_takes_the_placed_loss_tokens_unchanged():
+    """The count placed with the batch (a replicated device scalar) trains exactly like the
+    host scalar of a batch that skipped the stats gather, and the step compiles once for it
+    (the scalar arrives in the sharding its in_spec expects, step after step)."""
+    cfg = _cfg("ranking", "model.num_layers=1", "data.num_samples=8")
+    ds = dataset_from_config(cfg, 1, 0)
+    placed, host = _backend(cfg), _backend(cfg)
+    losses = {"placed": [], "host": []}
+    for i in range(2):
+        for name, backend in (("placed", placed), ("host", host)):
+            p, count = _placed(backend, cfg, [ds.batch(i)], gather=name == "placed")
+            metrics, p = backend.forward_backward(p, count)
+            assert (p.loss_tokens_device is not None) == (name == "placed")
+            losses[name].append(float(metrics["loss"]))
+    assert losses["placed"] == losses["host"] and len(set(losses["placed"])) == 2
+    assert placed.step_fn._cache_size() == 1
+
+
+def test_a_mismatching_loss_token_count_raises():
+    cfg = _cfg("ranking", "model.num_layers=1")
+    backend = _backend(cfg)
+    p, count = _placed(backend, cfg, [dataset_from_config(cfg, 1, 0).batch(0)])
+    with pytest.raises(HSTUError, match=f"placed with {count} .* given {count + 1}"):
+        backend.forward_backward(p, count + 1)
+    assert int(backend.state.step) == 0  # nothing dispatched
