@@ -10,16 +10,23 @@ The loader's batches depend on their position alone (`DataLoader.batch_at`), so 
 take positions in order, `ahead` of them in flight, and the batches come back in that order:
 the same batches, in the same order, as the in-process loader (tests hold them equal). A
 worker's error (a bad sample) is raised by `next()`, on the host, before any collective of that
-batch, as the in-process loader raises it.
+batch, as the in-process loader raises it. So is a worker's death (killed by the OOM killer, a
+signal, a crash in native code): the pool then fails every batch in flight at once, and
+`next()` names the dead process and the position, instead of waiting for a result that no
+process will deliver.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from hstu.batch import JaggedBatch
 from hstu.data.loader import DataLoader
+from hstu.errors import HSTUError
 
 _LOADER: DataLoader | None = None  # each worker's own copy
 
@@ -41,10 +48,12 @@ class WorkerLoader:
     def __init__(self, loader: DataLoader, workers: int, ahead: int = 2):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.loader, self.position = loader, loader.position
+        self.loader, self.position, self.workers = loader, loader.position, workers
         # spawn: the training process holds CUDA / XLA threads that a fork would copy broken
         context = multiprocessing.get_context("spawn")
-        self._pool = context.Pool(workers, initializer=_start, initargs=(loader,))
+        self._pool = ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_start, initargs=(loader,)
+        )
         self._ahead = max(ahead, workers)
         self._submit_at = loader.position
         self._pending: collections.deque = collections.deque()
@@ -53,15 +62,32 @@ class WorkerLoader:
         return self
 
     def __next__(self) -> list[JaggedBatch]:
-        while len(self._pending) < self._ahead:
-            result = self._pool.apply_async(_batches_at, (self._submit_at,))
-            self._pending.append((self._submit_at, result))
-            self._submit_at = self.loader.next_position(self._submit_at)
-        position, result = self._pending.popleft()
-        batches = result.get()
+        try:
+            while len(self._pending) < self._ahead:
+                future = self._pool.submit(_batches_at, self._submit_at)
+                self._pending.append((self._submit_at, future))
+                self._submit_at = self.loader.next_position(self._submit_at)
+            position, future = self._pending[0]
+            batches = future.result()
+        except BrokenProcessPool as exc:
+            at = self._pending[0][0] if self._pending else self._submit_at
+            raise HSTUError(
+                f"a data worker process ended abruptly ({self._dead()}) before the batch at "
+                f"sample position {at} was built (data.workers={self.workers}; killed for "
+                "memory? fewer workers or a lower data.prefetch hold fewer batches at once)"
+            ) from exc
+        self._pending.popleft()
         self.position = self.loader.next_position(position)
         return batches
 
+    def _dead(self) -> str:
+        """The pool's processes that have ended, with their exit codes (negative: the signal),
+        those the pool stopped itself once broken (SIGTERM) left out where another is known."""
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())
+        ended = [p for p in processes if p.exitcode is not None]
+        first = [p for p in ended if p.exitcode != -signal.SIGTERM] or ended
+        return ", ".join(f"pid {p.pid}, exit code {p.exitcode}" for p in first) or "exit unknown"
+
     def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        # batches not yet started are dropped; one being built finishes (a few ms) first
+        self._pool.shutdown(wait=True, cancel_futures=True)

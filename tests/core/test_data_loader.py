@@ -91,3 +91,32 @@ def test_worker_processes_yield_the_loaders_batches_in_order(demo_cfg):
             next(broken)
     finally:
         broken.close()
+
+
+def test_a_worker_process_that_dies_is_named_by_next_instead_of_hanging(demo_cfg):
+    """A worker killed from outside (the OOM killer's SIGKILL) fails the batches in flight:
+    next() raises an HSTUError naming the signal, within seconds, instead of waiting for a
+    result no process will deliver (before: until train.watchdog_s ended the run)."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from hstu.data.workers import WorkerLoader
+
+    demo_cfg.data.num_samples = 60
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = WorkerLoader(DataLoader(source_from_config(demo_cfg), 3, 1, [0]), workers=2)
+    try:
+        assert _ids(next(loader)) == [[0, 1, 2]]
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+        assert workers, "the loader's worker processes"
+        os.kill(workers[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(HSTUError, match=r"data worker process ended abruptly .*exit code -9"):
+            for _ in range(10):  # batches finished before the kill may still come back
+                next(loader)
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < 30
+    finally:
+        loader.close()
