@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.batch import JaggedBatch
 from hstu.errors import HSTUError
+from hstu.torch_backend.layout import TokenLayout
 
 
 @dataclass
@@ -29,6 +30,9 @@ class TorchBatch:
     actual_batch_size: int
     value_dtypes: dict[str, str] = field(default_factory=dict)  # numpy dtype per jagged key
     max_seqlen: int = 0  # longest HSTU sample (C + 2L + K tokens), known on the host
+    # where every token goes, built on the host from the lengths (None: the model builds it
+    # from the lengths it reads back, a sync; see layout.py)
+    layout: TokenLayout | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -50,6 +54,7 @@ class TorchBatch:
             self,
             kjt=self.kjt.to(device, non_blocking=non_blocking),
             dense={k: v.to(device, non_blocking=non_blocking) for k, v in self.dense.items()},
+            layout=self.layout and self.layout.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> TorchBatch:
@@ -57,6 +62,7 @@ class TorchBatch:
             self,
             kjt=self.kjt.pin_memory(),
             dense={k: v.pin_memory() for k, v in self.dense.items()},
+            layout=self.layout and self.layout.pin_memory(),
         )
 
     def record_stream(self, stream) -> None:
@@ -66,6 +72,8 @@ class TorchBatch:
         self.kjt.record_stream(stream)
         for tensor in self.dense.values():
             tensor.record_stream(stream)
+        if self.layout is not None:
+            self.layout.buffer.record_stream(stream)
 
     def strip_padding(self) -> TorchBatch:
         """Drop the padding rows of every field at once (jagged and dense), like the core.
@@ -82,6 +90,7 @@ class TorchBatch:
             kjt=make_kjt(self.keys, self.kjt.values(), lengths, n, self.length_per_key()),
             dense={k: v[:n] for k, v in self.dense.items()},
             batch_size=n,
+            layout=self.layout and self.layout.strip(n),
         )
 
 
@@ -139,6 +148,7 @@ def to_torch(batch: JaggedBatch) -> TorchBatch:
         int(batch.actual_batch_size),
         {k: np.asarray(batch.values[k]).dtype.str for k in keys},
         int(seq.max()) if seq.size else 0,
+        TokenLayout.of_lengths_KB(keys, np.stack(lengths) if keys else np.zeros((0, bs))),
     )
 
 

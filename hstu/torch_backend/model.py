@@ -19,6 +19,7 @@ from hstu.errors import HSTUError
 from hstu.params import param_shapes
 from hstu.torch_backend.attention import get_attention
 from hstu.torch_backend.batch import TorchBatch
+from hstu.torch_backend.layout import TokenLayout
 
 LN_EPS = 1e-6
 TOP_K = 10  # retrieval metrics: HR@10, NDCG@10
@@ -55,15 +56,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias.to(x.dtype), x, self.kernel.to(x.dtype))
-
-
-def _segments(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a jagged key: (sample of each value, position of the value inside its sample)."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    sample = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total
-    )
-    return sample, torch.arange(total, device=lengths.device) - starts[sample]
 
 
 class HSTULayer(nn.Module):
@@ -202,21 +194,12 @@ class HSTUModel(nn.Module):
             emb = {name: jt.values() for name, jt in sharded.items()}
         lengths = dict(zip(tb.keys, tb.lengths_KB().to(torch.int64), strict=True))
         totals = dict(zip(tb.keys, tb.length_per_key(), strict=True))
-        c, n_items, k = lengths["contextual"], lengths["item"], lengths["candidate"]
-        seq_lengths = c + 2 * n_items + k
-        offsets = F.pad(torch.cumsum(seq_lengths, 0), (1, 0))
-        start = offsets[:-1]
-        s_c, p_c = _segments(c, totals["contextual"])
-        s_i, p_i = _segments(n_items, totals["item"])
-        s_k, p_k = _segments(k, totals["candidate"])
-        pos_item = start[s_i] + c[s_i] + 2 * p_i
-        pos_cand = start[s_k] + c[s_k] + 2 * n_items[s_k] + p_k
-        dest = torch.cat([start[s_c] + p_c, pos_item, pos_item + 1, pos_cand])
-        num_tokens = dest.numel()
-        # each token has exactly one source row: gather through the inverse permutation
-        inverse = torch.empty_like(dest).scatter_(
-            0, dest, torch.arange(num_tokens, device=dest.device)
-        )
+        layout = tb.layout
+        if layout is None:  # a batch built without it (library use): read the lengths back
+            host_lengths = tb.lengths_KB().cpu().numpy()
+            layout = TokenLayout.of_lengths_KB(tb.keys, host_lengths).to(tb.device)
+        where = layout.views()
+        inverse = where["inverse"]
         src = torch.cat(
             [
                 emb["contextual"],
@@ -228,18 +211,23 @@ class HSTUModel(nn.Module):
         x = src.index_select(0, inverse).to(self.compute_dtype)
         item_time = ids["item_time"].values()
         times = torch.cat(
-            [torch.zeros_like(p_c), item_time, item_time, ids["candidate_time"].values()]
+            [
+                item_time.new_zeros(totals["contextual"]),
+                item_time,
+                item_time,
+                ids["candidate_time"].values(),
+            ]
         ).index_select(0, inverse)
         seq = {
-            "offsets": offsets,
+            "offsets": where["offsets"],
             "max_seqlen": tb.max_seqlen,
-            # int32 once per step: what the kernel reads (else every layer casts, forward and
-            # backward)
-            "num_contextual": c.to(torch.int32),
-            "num_candidates": k.to(torch.int32),
+            # int32, what the kernel reads (else every layer casts, forward and backward)
+            "num_contextual": where["num_contextual"],
+            "num_candidates": where["num_candidates"],
             "timestamps": times,
-            "pos_item": pos_item,
-            "pos_cand": pos_cand,
+            "pos_item": where["pos_item"],
+            "pos_cand": where["pos_cand"],
+            "target_item": where["target_item"],
             "emb": emb,
             "ids": ids,
             "lengths": lengths,
@@ -300,12 +288,9 @@ class HSTUModel(nn.Module):
         return loss, {}
 
     def _retrieval_loss(self, z, seq, denom):
-        n_items, totals = seq["lengths"]["item"], seq["totals"]
         r = self.cfg.num_negatives
-        num_targets = totals["negative"] // r  # negatives: (L - 1) * R per sample (checked)
-        targets = torch.clamp(n_items - 1, min=0)
-        s_t, p_t = _segments(targets, num_targets)
-        item_idx = (torch.cumsum(n_items, 0) - n_items)[s_t] + p_t  # event l of its sample
+        item_idx = seq["target_item"]  # event l of its sample, for l < L - 1 (layout.py)
+        num_targets = item_idx.numel()  # negatives: (L - 1) * R per sample (checked)
         query = F.normalize(z.index_select(0, seq["pos_item"][item_idx] + 1), dim=-1, eps=1e-6)
         emb, ids = seq["emb"], seq["ids"]
         pos = F.normalize(emb["item"].index_select(0, item_idx + 1), dim=-1, eps=1e-6)

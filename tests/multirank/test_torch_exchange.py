@@ -71,6 +71,7 @@ def _random_keys_batch(num_keys: int, real: int, seed: int) -> JaggedBatch:
 
 
 def _exchange_worker(rank: int, world: int, device: str) -> dict:
+    import torch
     import torch.distributed as dist
 
     from hstu.config import load_config
@@ -97,9 +98,16 @@ def _exchange_worker(rank: int, world: int, device: str) -> dict:
         for plan_name, plan in plans.items():
             want = exchange_reference(batches, plan)[rank]
             for name, fn in (("allgather", allgather_exchange), ("all2all", all2all_exchange)):
-                got = to_jagged(fn(to_torch(batches[rank]).to(device), plan, stats, rank))
+                moved = fn(to_torch(batches[rank]).to(device), plan, stats, rank)
+                got = to_jagged(moved)
                 for d in got.diff(want):
                     failures.append(f"case {seed} {task} {real} {plan_name}/{name}: {d}")
+                # the token layout built on the host from the plan's lengths, sent with the
+                # batch, is the one of the batch this rank received
+                here = {k: v.cpu() for k, v in moved.layout.views().items()}
+                for k, v in to_torch(want).layout.views().items():
+                    if not torch.equal(here[k], v):
+                        failures.append(f"case {seed} {plan_name}/{name}: layout {k}")
                 if got.actual_batch_size != int(plan.num_real[rank]):
                     failures.append(f"case {seed} {name}: actual_batch_size")
 

@@ -1,0 +1,113 @@
+"""Where every token of a batch goes, computed on the host from the lengths.
+
+A sample becomes `C + 2L + K` tokens: its contextual ids, its L items and L actions
+interleaved, then its K candidates (docs/MODEL.md). Where each token lands, which sample it
+belongs to and which targets the retrieval loss scores depend on the per-sample lengths alone,
+and the host holds those before the batch is copied to the device: the lengths of a batch as
+loaded, and, after a balanced exchange, the gathered stats and the plan.
+
+Built on the device instead, the layout took some 50 small ops per step (cumsums, segment
+expansions, gathers, an inverse permutation; 62 ops before the stack in all, 12 now), each a
+kernel launched from Python by the dispatching thread before the graphed HSTU stack could
+start: on the bench_upstream recipe (one H200, batch 32) the GPU ran dry in that window, 3.9 ms
+of idle per step charged to it (docs/BENCHMARKS.md). Here it is numpy, packed into one int64
+buffer that travels in the batch's pinned copy; on the device it is only sliced (views, no
+kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+# The jagged keys the layout is built from (the model's token table).
+LAYOUT_KEYS = ("contextual", "item", "candidate")
+
+
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a jagged key: (sample of each value, position of the value inside its sample)."""
+    sample = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return sample, np.arange(sample.size, dtype=np.int64) - starts[sample]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """One int64 buffer: `offsets [B + 1] | pos_item [L] | pos_cand [K] | inverse [T] |
+    target_item [N] | num_contextual, num_candidates as int32 [2B]` (host sizes alongside).
+
+    * `offsets`: token offsets of the samples (the attention kernel's jagged layout);
+    * `pos_item` / `pos_cand`: the token of each item / candidate value (an item's action token
+      is the next one);
+    * `inverse`: for each token, its row in `cat(contextual, item, action, candidate)` values;
+    * `target_item`: for each retrieval target (every item but a sample's last), the item
+      value it is scored at.
+
+    `rows` <= `batch_size`: padding rows sit at the tail with no tokens, so dropping them
+    (`strip`) only shortens the per-row views.
+    """
+
+    buffer: torch.Tensor
+    batch_size: int
+    num_items: int
+    num_candidates: int
+    num_tokens: int
+    num_targets: int
+    rows: int
+
+    @classmethod
+    def from_lengths(
+        cls, contextual: np.ndarray, items: np.ndarray, candidates: np.ndarray
+    ) -> TokenLayout:
+        """From each sample's contextual, item and candidate counts (host ints, `[B]` each)."""
+        c, n, k = (np.asarray(x, np.int64) for x in (contextual, items, candidates))
+        b = c.size
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(c + 2 * n + k, out=offsets[1:])
+        start = offsets[:-1]
+        s_c, p_c = _segments(c)
+        s_i, p_i = _segments(n)
+        s_k, p_k = _segments(k)
+        pos_item = start[s_i] + c[s_i] + 2 * p_i
+        pos_cand = start[s_k] + c[s_k] + 2 * n[s_k] + p_k
+        dest = np.concatenate([start[s_c] + p_c, pos_item, pos_item + 1, pos_cand])
+        inverse = np.empty_like(dest)
+        inverse[dest] = np.arange(dest.size, dtype=np.int64)  # one source row per token
+        s_t, p_t = _segments(np.maximum(n - 1, 0))
+        target_item = (np.cumsum(n) - n)[s_t] + p_t
+        counts = np.concatenate([c, k]).astype(np.int32).view(np.int64)  # 2B int32 = B int64
+        parts = [offsets, pos_item, pos_cand, inverse, target_item, counts]
+        buffer = torch.from_numpy(np.concatenate(parts))
+        sizes = (pos_item.size, pos_cand.size, inverse.size, target_item.size)
+        return cls(buffer, b, *sizes, rows=b)
+
+    @classmethod
+    def of_lengths_KB(cls, keys: list[str], lengths_KB: np.ndarray) -> TokenLayout | None:
+        """From `[num_keys, B]` host lengths; None when a key of the token table is missing
+        (a batch the HSTU model does not read, e.g. in exchange tests)."""
+        if not all(key in keys for key in LAYOUT_KEYS):
+            return None
+        return cls.from_lengths(*(lengths_KB[keys.index(key)] for key in LAYOUT_KEYS))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> TokenLayout:
+        return replace(self, buffer=self.buffer.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TokenLayout:
+        return replace(self, buffer=self.buffer.pin_memory())
+
+    def strip(self, rows: int) -> TokenLayout:
+        return replace(self, rows=rows)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """The parts, as views of the buffer (no copies, no kernels)."""
+        b, r = self.batch_size, self.rows
+        sizes = [b + 1, self.num_items, self.num_candidates, self.num_tokens, self.num_targets]
+        parts = list(torch.split(self.buffer, [*sizes, b]))
+        counts = parts.pop().view(torch.int32)
+        names = ("offsets", "pos_item", "pos_cand", "inverse", "target_item")
+        out = dict(zip(names, parts, strict=True))
+        out["offsets"] = out["offsets"][: r + 1]
+        out["num_contextual"], out["num_candidates"] = counts[:b][:r], counts[b:][:r]
+        return out
