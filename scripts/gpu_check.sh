@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab bwd optim mosaic recipes
+#                                               kab bwd optim mosaic recipes workers
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -87,6 +87,18 @@ print('torchrec', torchrec.__version__)" ;;
               PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
               --config bench_upstream --backends $E2E_BACKENDS --shufflers identity --steps 30 \
               --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b
+          done
+        done
+      done ;;
+    workers)
+      # data.workers (batches built in worker processes) against the in-process loader,
+      # alternating, $E2E_BACKENDS at W=1 on bench_upstream, identity, batch sizes $WORKERS_BATCHES
+      for round in 1 2; do
+        for b in ${WORKERS_BATCHES:-8 32}; do
+          for w in 0 2; do
+            run "workers_b${b}_w${w}_$round" python -m hstu.cli bench e2e --config bench_upstream \
+              --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
+              --out /tmp/workers_b${b}_w${w}_$round data.batch_size=$b data.workers=$w
           done
         done
       done ;;
