@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import signal
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -82,11 +83,19 @@ class WorkerLoader:
 
     def _dead(self) -> str:
         """The pool's processes that have ended, with their exit codes (negative: the signal),
-        those the pool stopped itself once broken (SIGTERM) left out where another is known."""
+        those the pool stopped itself once broken (SIGTERM) left out where another is known.
+        The pool's own thread is reaping them meanwhile: a code can read as unknown for a moment,
+        so this looks again for up to a second."""
         processes = list((getattr(self._pool, "_processes", None) or {}).values())
-        ended = [p for p in processes if p.exitcode is not None]
-        first = [p for p in ended if p.exitcode != -signal.SIGTERM] or ended
-        return ", ".join(f"pid {p.pid}, exit code {p.exitcode}" for p in first) or "exit unknown"
+        deadline = time.monotonic() + 1.0
+        while True:
+            ended = [p for p in processes if p.exitcode is not None]
+            first = [p for p in ended if p.exitcode != -signal.SIGTERM]
+            if first or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        codes = ", ".join(f"pid {p.pid}, exit code {p.exitcode}" for p in first or ended)
+        return codes or "exit code unknown"
 
     def close(self) -> None:
         # batches not yet started are dropped; one being built finishes (a few ms) first
