@@ -22,7 +22,7 @@ from torch_workers import run_on_ranks  # noqa: E402
 from hstu.parity import rel_diff  # noqa: E402
 
 RTOL = 1e-4
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # ~20 s: `make test-slow`
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,7 @@ def test_backends_agree_on_a_converted_checkpoint(retrieval_runs, tmp_path, caps
     np.testing.assert_allclose(q_torch, q_jax, rtol=0, atol=2e-6)
 
 
+@pytest.mark.slow  # ~25 s for both backends: `make test-slow`
 @pytest.mark.parametrize("backend", PARAMS)
 def test_evaluation_leaves_the_training_stream_alone(backend, prepared_data, tmp_path):
     """With dropout on, a run that evaluates every other step trains exactly like one that
