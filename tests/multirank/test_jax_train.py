@@ -39,6 +39,7 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # ~12 s: `make test-slow`
 def test_save_kill_resume_continues_the_loss_curve(tmp_path):
     common = [
         "dist.world_size=2",

@@ -91,6 +91,7 @@ def _is_complete(folder, orbax: bool) -> bool:
     return orbax or (folder / "COMPLETE").is_file()
 
 
+@pytest.mark.slow  # ~14 s: `make test-slow`
 def test_torch_rank_killed_then_resumed_on_2_ranks(tmp_path):
     pytest.importorskip("torchrec")
     import time

@@ -56,7 +56,7 @@ def run(worker: str, devices: int, timeout: float = 300, **kwargs) -> dict:
 
 
 # ------------------------------------------------------------------------------ tests
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # ~25 s: `make test-slow`
 STEP_CASES = [  # world size, task, optimizer, sharding
     (4, "ranking", "row_wise_adagrad", "row_wise"),
     (4, "retrieval", "adam", "table_wise"),

@@ -248,6 +248,7 @@ def test_configs_this_backend_cannot_run_fail_before_any_rank_starts(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # ~15 s: `make test-slow`
 def test_checkpoint_resume_continues_bit_exactly_and_on_another_world_size(tmp_path):
     from hstu.torch_backend.launch import train
 

@@ -50,6 +50,7 @@ def retrieval_runs(prepared_data, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow  # with the next test, ~30 s of training both backends: `make test-slow`
 @pytest.mark.parametrize("backend", PARAMS)
 def test_retrieval_trains_and_beats_the_baselines(backend, retrieval_runs):
     run = retrieval_runs[backend]
@@ -98,6 +99,7 @@ def _query_embeddings(backend, cfg, params, batch):
     return backend_evaluate(backend).from_params(cfg, params, "cpu").query_embeddings(batch)
 
 
+@pytest.mark.slow
 def test_backends_agree_on_a_converted_checkpoint(retrieval_runs, tmp_path, capsys):
     if set(retrieval_runs) != set(BACKENDS):
         pytest.skip("needs both backends")
