@@ -30,9 +30,9 @@ class TorchBatch:
     actual_batch_size: int
     value_dtypes: dict[str, str] = field(default_factory=dict)  # numpy dtype per jagged key
     max_seqlen: int = 0  # longest HSTU sample (C + 2L + K tokens), known on the host
-    # where every token goes, built on the host from the lengths (None: the model builds it
-    # from the lengths it reads back, a sync; see layout.py)
-    layout: TokenLayout | None = None
+    # `[num_keys, B]` lengths as the host knows them (None: read back from the device, a sync)
+    host_lengths: np.ndarray | None = None
+    layout: TokenLayout | None = None  # built from them when first needed (`token_layout`)
 
     @property
     def keys(self) -> list[str]:
@@ -75,6 +75,23 @@ class TorchBatch:
         if self.layout is not None:
             self.layout.buffer.record_stream(stream)
 
+    def token_layout(self) -> TokenLayout | None:
+        """Where every token goes (layout.py), built on the host from `host_lengths` the first
+        time a step needs it and copied from pinned memory (a batch that only passes through,
+        e.g. the one a balanced exchange replaces, never builds one); None when the batch lacks
+        a key of the model's token table."""
+        if self.layout is None:
+            lengths = self.host_lengths
+            if lengths is None:  # built without them (library use): read back, a sync
+                lengths = self.lengths_KB().cpu().numpy()
+            layout = TokenLayout.of_lengths_KB(self.keys, lengths)
+            if layout is None:
+                return None
+            if self.device.type == "cuda":
+                layout = layout.pin_memory()
+            self.layout = layout.to(self.device, non_blocking=True)
+        return self.layout
+
     def strip_padding(self) -> TorchBatch:
         """Drop the padding rows of every field at once (jagged and dense), like the core.
 
@@ -90,6 +107,7 @@ class TorchBatch:
             kjt=make_kjt(self.keys, self.kjt.values(), lengths, n, self.length_per_key()),
             dense={k: v[:n] for k, v in self.dense.items()},
             batch_size=n,
+            host_lengths=None if self.host_lengths is None else self.host_lengths[:, :n],
             layout=self.layout and self.layout.strip(n),
         )
 
@@ -148,7 +166,7 @@ def to_torch(batch: JaggedBatch) -> TorchBatch:
         int(batch.actual_batch_size),
         {k: np.asarray(batch.values[k]).dtype.str for k in keys},
         int(seq.max()) if seq.size else 0,
-        TokenLayout.of_lengths_KB(keys, np.stack(lengths) if keys else np.zeros((0, bs))),
+        np.stack(lengths) if keys else np.zeros((0, bs), np.int64),
     )
 
 

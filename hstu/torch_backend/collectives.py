@@ -26,7 +26,6 @@ from hstu.errors import HSTUError
 from hstu.pipeline import NUM_FIXED_STATS, STAT_TOKENS, gathered_lengths
 from hstu.shuffle_plan import ShufflePlan
 from hstu.torch_backend.batch import TorchBatch, make_kjt, select_segments
-from hstu.torch_backend.layout import TokenLayout
 
 
 def _gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
@@ -144,11 +143,6 @@ def _finish(
 ) -> TorchBatch:
     kjt = make_kjt(batch.keys, values, lengths, plan.batch_size, lengths_BK.sum(0).tolist())
     tokens = stats[rows_global, STAT_TOKENS]
-    # the exchanged batch's token layout from its host-known lengths, copied with it (layout.py)
-    layout = TokenLayout.of_lengths_KB(batch.keys, lengths_BK.T)
-    if layout is not None:
-        pinned = layout.pin_memory() if values.device.type == "cuda" else layout
-        layout = pinned.to(values.device, non_blocking=True)
     return TorchBatch(
         kjt,
         dense,
@@ -156,7 +150,7 @@ def _finish(
         int(plan.num_real[rank]),
         dict(batch.value_dtypes),
         int(tokens.max()) if tokens.size else 0,
-        layout,
+        np.ascontiguousarray(lengths_BK.T),  # host-known: the token layout needs no sync
     )
 
 

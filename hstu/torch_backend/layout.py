@@ -11,8 +11,9 @@ expansions, gathers, an inverse permutation; 62 ops before the stack in all, 12 
 kernel launched from Python by the dispatching thread before the graphed HSTU stack could
 start: on the bench_upstream recipe (one H200, batch 32) the GPU ran dry in that window, 3.9 ms
 of idle per step charged to it (docs/BENCHMARKS.md). Here it is numpy, packed into one int64
-buffer that travels in the batch's pinned copy; on the device it is only sliced (views, no
-kernels).
+buffer and copied from pinned memory in one transfer; on the device it is only sliced (views,
+no kernels). A batch keeps the lengths the host knows (`TorchBatch.host_lengths`) and builds
+its layout the first time a step needs it, so a batch a balanced exchange replaces builds none.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from hstu.errors import HSTUError
 from hstu.params import param_shapes
 from hstu.torch_backend.attention import get_attention
 from hstu.torch_backend.batch import TorchBatch
-from hstu.torch_backend.layout import TokenLayout
 
 LN_EPS = 1e-6
 TOP_K = 10  # retrieval metrics: HR@10, NDCG@10
@@ -194,11 +193,7 @@ class HSTUModel(nn.Module):
             emb = {name: jt.values() for name, jt in sharded.items()}
         lengths = dict(zip(tb.keys, tb.lengths_KB().to(torch.int64), strict=True))
         totals = dict(zip(tb.keys, tb.length_per_key(), strict=True))
-        layout = tb.layout
-        if layout is None:  # a batch built without it (library use): read the lengths back
-            host_lengths = tb.lengths_KB().cpu().numpy()
-            layout = TokenLayout.of_lengths_KB(tb.keys, host_lengths).to(tb.device)
-        where = layout.views()
+        where = tb.token_layout().views()
         inverse = where["inverse"]
         src = torch.cat(
             [

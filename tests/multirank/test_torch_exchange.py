@@ -102,10 +102,10 @@ def _exchange_worker(rank: int, world: int, device: str) -> dict:
                 got = to_jagged(moved)
                 for d in got.diff(want):
                     failures.append(f"case {seed} {task} {real} {plan_name}/{name}: {d}")
-                # the token layout built on the host from the plan's lengths, sent with the
-                # batch, is the one of the batch this rank received
-                here = {k: v.cpu() for k, v in moved.layout.views().items()}
-                for k, v in to_torch(want).layout.views().items():
+                # the token layout built on the host from the plan's lengths is the one of the
+                # batch this rank received
+                here = {k: v.cpu() for k, v in moved.token_layout().views().items()}
+                for k, v in to_torch(want).token_layout().views().items():
                     if not torch.equal(here[k], v):
                         failures.append(f"case {seed} {plan_name}/{name}: layout {k}")
                 if got.actual_batch_size != int(plan.num_real[rank]):

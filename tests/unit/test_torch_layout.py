@@ -77,17 +77,27 @@ def _model_and_batch(task: str):
 
 
 @pytest.mark.parametrize("task", ["retrieval", "ranking"])
-def test_the_sent_layout_and_the_one_read_back_give_the_same_loss(task):
+def test_the_host_layout_and_the_one_read_back_give_the_same_loss(task):
     model, batch = _model_and_batch(task)
-    assert batch.layout is not None
+    assert batch.host_lengths is not None
     sent, sent_sums = model(batch.strip_padding(), 100)
-    batch.layout = None  # library use: the model reads the lengths back
+    batch.host_lengths = None  # library use: the model reads the lengths back
     read, read_sums = model(batch.strip_padding(), 100)
     assert torch.equal(sent, read)
     assert all(torch.equal(sent_sums[m], read_sums[m]) for m in sent_sums)
 
 
-_VIEWS = {"view", "slice", "split_with_sizes", "unbind", "detach", "select", "unsqueeze"}
+# no kernel: views, and `lift_fresh` (the host-built layout wrapped as a tensor)
+_VIEWS = {
+    "view",
+    "slice",
+    "split_with_sizes",
+    "unbind",
+    "detach",
+    "select",
+    "unsqueeze",
+    "lift_fresh",
+}
 
 
 class _Ops(TorchDispatchMode):
@@ -107,7 +117,8 @@ class _Ops(TorchDispatchMode):
 def test_the_step_builds_no_layout_on_the_device(task):
     """Built on the device, laying out the tokens took 62 ops before the stack (cumsums,
     segment expansions, gathers, the inverse scatter), each a kernel launched from Python;
-    with the layout sent: the lookups, the two gathers through it and TorchRec's offsets."""
+    with the layout built on the host: the lookups, the two gathers through it and TorchRec's
+    offsets."""
     model, batch = _model_and_batch(task)
     batch = batch.strip_padding()
     with _Ops() as ops:
