@@ -141,7 +141,8 @@ class Prepared:
 
 
 class Balancer:
-    """Phase 1 / phase 2 of the shuffle around a backend; identity when not balancing."""
+    """Phase 1 / phase 2 of the shuffle around a backend; identity when not balancing, and at
+    one rank, where there is nothing to balance (no partition, no exchange)."""
 
     def __init__(
         self,
@@ -151,6 +152,7 @@ class Balancer:
         overlap: bool = True,
     ):
         self.backend, self.shuffler, self.method = backend, shuffler, method
+        self.moves = shuffler != "identity" and backend.world_size > 1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="partition") if overlap else None
 
     def phase1(
@@ -165,7 +167,7 @@ class Balancer:
         stats = signature.trim_after_check(stats, NUM_FIXED_STATS)
         real = stats[:, STAT_REAL].astype(bool)
         w = self.backend.world_size
-        if self.shuffler == "identity":
+        if not self.moves:
             return device_batch, stats, identity_plan(real, w)
         args = (stats[:, STAT_WORKLOAD], real, w, self.method)
         plan = self._pool.submit(make_plan, *args) if self._pool else make_plan(*args)
@@ -177,7 +179,7 @@ class Balancer:
             plan = plan.result()
         t1 = time.perf_counter()
         loaded = device_batch
-        if self.shuffler != "identity":
+        if self.moves:
             device_batch = self.backend.exchange(device_batch, plan, stats)
         t2 = time.perf_counter()
         return Prepared(device_batch, stats, plan, loaded, t1 - t0, t2 - t1)

@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab bwd optim mosaic recipes workers
+#                                               kab bwd optim mosaic recipes workers overrides
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -76,7 +76,7 @@ print('torchrec', torchrec.__version__)" ;;
     tab)
       # whole-tree A/B in one call: $AB_TREE (git archive <commit> hstu kernels configs scripts |
       # tar -x -C DIR) against this tree, alternating, $E2E_BACKENDS at W=1 on bench_upstream,
-      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
+      # $AB_SHUFFLERS (default identity), each batch size of $AB_BATCHES, $AB_ROUNDS rounds
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
           for side in before after; do
@@ -85,8 +85,23 @@ print('torchrec', torchrec.__version__)" ;;
               && ln -sfn "$tree/configs" /tmp/hstu-path-$side/hstu_recipes
             run "tab_${side}_b${b}_$round" env -C "$tree" \
               PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
-              --config bench_upstream --backends $E2E_BACKENDS --shufflers identity --steps 30 \
+              --config bench_upstream --backends $E2E_BACKENDS \
+              --shufflers ${AB_SHUFFLERS:-identity} --steps 30 \
               --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b
+          done
+        done
+      done ;;
+    overrides)
+      # config A/B in one call: each set of overrides in $OVR_SETS (separated by '|'; an empty
+      # set is the config as shipped), alternating, $E2E_BACKENDS at W=1 on bench_upstream,
+      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
+      IFS='|' read -r -a ovr_sets <<< "${OVR_SETS:-}"
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for b in ${AB_BATCHES:-8 32}; do
+          for i in "${!ovr_sets[@]}"; do
+            run "ovr${i}_b${b}_$round" python -m hstu.cli bench e2e --config bench_upstream \
+              --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
+              --out /tmp/ovr${i}_b${b}_$round data.batch_size=$b ${ovr_sets[$i]}
           done
         done
       done ;;

@@ -109,6 +109,19 @@ def test_balanced_run_trains_on_the_same_samples(demo_cfg):
         np.testing.assert_array_equal(a, b)
 
 
+def test_one_rank_has_nothing_to_balance_so_nothing_is_exchanged(demo_cfg):
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = {}
+    for shuffler in ("identity", "balanced"):
+        backend = NumpyBackend(1)
+        rows[shuffler] = pipeline.run(
+            backend, batches_of(demo_cfg, 1), 3, cost, "ranking", shuffler=shuffler
+        )
+        assert "exchange" not in backend.calls
+    assert [r["loss"] for r in rows["balanced"]] == [r["loss"] for r in rows["identity"]]
+    assert all(r["imbalance_after"] == 1.0 for r in rows["balanced"])
+
+
 def test_partition_runs_on_the_worker_thread(demo_cfg, monkeypatch):
     threads = []
     real = pipeline.make_plan
