@@ -37,6 +37,21 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/fail and seconds
   rows+=("$(printf '%-28s %-6s %5ss' "$name" "$status" $((SECONDS - t0)))")
 }
 
+ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override sets alternating
+  local name=$1 sets=$2 batches=$3 rounds=$4 round b i
+  local -a ovr_sets
+  IFS='|' read -r -a ovr_sets <<< "$sets"
+  for round in $(seq "$rounds"); do
+    for b in $batches; do
+      for i in "${!ovr_sets[@]}"; do
+        run "${name}${i}_b${b}_$round" python -m hstu.cli bench e2e --config bench_upstream \
+          --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
+          --out /tmp/${name}${i}_b${b}_$round data.batch_size=$b ${ovr_sets[$i]}
+      done
+    done
+  done
+}
+
 for s in $sections; do
   case $s in
     env)
@@ -95,28 +110,11 @@ print('torchrec', torchrec.__version__)" ;;
       # config A/B in one call: each set of overrides in $OVR_SETS (separated by '|'; an empty
       # set is the config as shipped), alternating, $E2E_BACKENDS at W=1 on bench_upstream,
       # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
-      IFS='|' read -r -a ovr_sets <<< "${OVR_SETS:-}"
-      for round in $(seq ${AB_ROUNDS:-2}); do
-        for b in ${AB_BATCHES:-8 32}; do
-          for i in "${!ovr_sets[@]}"; do
-            run "ovr${i}_b${b}_$round" python -m hstu.cli bench e2e --config bench_upstream \
-              --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
-              --out /tmp/ovr${i}_b${b}_$round data.batch_size=$b ${ovr_sets[$i]}
-          done
-        done
-      done ;;
+      ab_overrides ovr "${OVR_SETS:-}" "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
     workers)
-      # data.workers (batches built in worker processes) against the in-process loader,
-      # alternating, $E2E_BACKENDS at W=1 on bench_upstream, identity, batch sizes $WORKERS_BATCHES
-      for round in 1 2; do
-        for b in ${WORKERS_BATCHES:-8 32}; do
-          for w in 0 2; do
-            run "workers_b${b}_w${w}_$round" python -m hstu.cli bench e2e --config bench_upstream \
-              --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
-              --out /tmp/workers_b${b}_w${w}_$round data.batch_size=$b data.workers=$w
-          done
-        done
-      done ;;
+      # data.workers (batches built in worker processes) against the in-process loader: the
+      # overrides A/B over batch sizes $WORKERS_BATCHES, two rounds
+      ab_overrides workers "data.workers=0|data.workers=2" "${WORKERS_BATCHES:-8 32}" 2 ;;
     kab)
       # kernel A/B: scripts/attention_jagged.py (bench_upstream's jagged batches, back-to-back
       # device time) on $AB_BEFORE/kernels and on kernels/, alternating, for $KAB_BACKENDS
