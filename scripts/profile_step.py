@@ -65,6 +65,9 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
             if hlo is not None and name in modules:
                 for line in hlo.describe(*modules[name]):
                     print(f"      {line[:200]}")
+    print("\n== device kernels by class (every stream together)")
+    for line in tr.kernel_classes(events, steps).lines():
+        print(line)
     print("\n== device idle (every stream together)")
     try:
         for line in tr.idle_report(events, steps).lines():
@@ -137,6 +140,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--profile-at", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=25, help="kernels listed per stream group")
     p.add_argument(
         "--hlo",
         action="store_true",
@@ -145,6 +149,7 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
     hlo_dir = None
     if args.hlo and args.backend == "jax":  # before jax starts its backend
         hlo_dir = tempfile.mkdtemp(prefix="hstu-hlo-")
@@ -200,7 +205,7 @@ def main(argv=None):
     times = [1e3 * r["step_time_s"] for r in rows]
     print("step ms:", " ".join(f"{t:.1f}" for t in times))
     print(f"median after 3: {statistics.median(times[3:]):.2f} ms; profiled {first}..{last}")
-    summarize_trace(trace, last - first + 2, hlo_dir=hlo_dir)
+    summarize_trace(trace, last - first + 2, top=args.top, hlo_dir=hlo_dir)
 
 
 def _train_torch(cfg, hook):

@@ -18,6 +18,7 @@ import bisect
 import collections
 import gzip
 import json
+import re
 from dataclasses import dataclass, field
 
 PHASE_PREFIX = "hstu."
@@ -50,6 +51,62 @@ def is_device_event(e: dict, names: dict) -> bool:
     return process.startswith("/device:") and str(
         names.get((e.get("pid"), e.get("tid")), "")
     ).startswith("Stream")
+
+
+# What a device kernel is, by its name (first match wins). JAX names its XLA fusions after the
+# ops they hold (`loop_multiply_fusion`, ...), so its optimizer updates fall under "other".
+KERNEL_CLASSES = (
+    ("attention", re.compile(r"hstu_(attention|bwd|fwd)|_hstu_", re.I)),
+    ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|dot_fusion", re.I)),
+    ("norm", re.compile(r"layer_norm|layernorm", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach", re.I)),
+    ("copy / fill", re.compile(r"memcpy|memset|fill|copy", re.I)),
+    ("other", re.compile(r"")),
+)
+
+
+def kernel_class(name: str) -> str:
+    return next(cls for cls, pattern in KERNEL_CLASSES if pattern.search(name))
+
+
+@dataclass
+class KernelClasses:
+    """Per class of device event: time, count, and how much of it came from short kernels
+    (`short_us`: those under `short_us_max`, whose cost is launch and ramp, not work)."""
+
+    steps: int
+    short_us_max: float
+    rows: dict  # class -> [us, count, short count, short us]
+
+    def lines(self) -> list[str]:
+        s = max(self.steps, 1)
+
+        def row(name, us, n, ns, sus):
+            return (
+                f"  {name:<12} {us / 1e3 / s:8.3f} {n / s:8.1f} {ns / s:9.1f} {sus / 1e3 / s:9.3f}"
+            )
+
+        short = f"< {self.short_us_max:g} us"
+        out = [f"  {'class':<12} {'ms/step':>8} {'kernels':>8} {short:>9} {'their ms':>9}"]
+        for cls, r in sorted(self.rows.items(), key=lambda kv: -kv[1][0]):
+            out.append(row(cls, *r))
+        out.append(row("all", *(sum(r[i] for r in self.rows.values()) for i in range(4))))
+        return out
+
+
+def kernel_classes(events: list[dict], steps: int, short_us_max: float = 8.0) -> KernelClasses:
+    """Every device event of the trace (all streams) summed by `kernel_class`."""
+    names = names_of(events)
+    rows: dict = collections.defaultdict(lambda: [0.0, 0, 0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and is_device_event(e, names):
+            row = rows[kernel_class(e["name"])]
+            row[0] += e["dur"]
+            row[1] += 1
+            if e["dur"] < short_us_max:
+                row[2] += 1
+                row[3] += e["dur"]
+    return KernelClasses(steps, short_us_max, dict(rows))
 
 
 def _union(spans: list[tuple[float, float, str]]) -> list[list]:

@@ -1,5 +1,6 @@
 """The one switch `model.attention`: `reference` (plain torch, padded dense) or `kernel`
-(Triton). Both live in `hstu_kernels.triton` and share the contract of `kernels/README.md`;
+(Triton). Both live in `hstu_kernels.triton` and share the contract of `kernels/README.md`
+(the kernel also as `hstu_uvqk_attention`, which takes the layer's activation unsplit);
 they are imported lazily so that building a model never compiles a kernel it does not use."""
 
 from __future__ import annotations
@@ -45,3 +46,19 @@ def get_attention(
             return hstu_attention
         return functools.partial(hstu_attention, backward=backward)
     raise HSTUError(f"model.attention={name!r} is not one of {list(ATTENTION_IMPLS)}")
+
+
+def get_uvqk_attention(
+    name: str, device: torch.device | str, backward: str = "auto"
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The kernel's split-and-attention op (`hstu_uvqk_attention`: the layer's u, v, q, k
+    columns in, `(u, attention)` out, its gradient built in one buffer) for `model.attention`
+    = kernel; None for the reference, which the layer calls on the split columns."""
+    get_attention(name, device, backward)  # the same checks, the same errors
+    if name != "kernel":
+        return None
+    from hstu_kernels.triton import hstu_uvqk_attention
+
+    if backward == "auto":
+        return hstu_uvqk_attention
+    return functools.partial(hstu_uvqk_attention, backward=backward)

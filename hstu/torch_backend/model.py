@@ -17,7 +17,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from hstu.errors import HSTUError
 from hstu.params import param_shapes
-from hstu.torch_backend.attention import get_attention
+from hstu.torch_backend.attention import get_attention, get_uvqk_attention
 from hstu.torch_backend.batch import TorchBatch
 
 LN_EPS = 1e-6
@@ -58,7 +58,9 @@ class Linear(nn.Module):
 
 
 class HSTULayer(nn.Module):
-    def __init__(self, cfg, attention):
+    def __init__(self, cfg, attention, uvqk_attention=None):
+        """`uvqk_attention`: the kernel's split-and-attention op (attention.py), or None: the
+        layer splits its activation and calls `attention` (the same values and gradients)."""
         super().__init__()
         h, dqk, dv, d = cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.embedding_dim
         self.num_heads, self.dqk, self.dv = h, dqk, dv
@@ -69,18 +71,14 @@ class HSTULayer(nn.Module):
         pos, tim = cfg.rab_position_buckets, cfg.rab_time_buckets
         self.rab_position = nn.Parameter(torch.zeros(h, pos)) if pos else None
         self.rab_time = nn.Parameter(torch.zeros(h, tim)) if tim else None
-        self.attention, self.alpha = attention, cfg.resolved_alpha
+        self.attention, self.uvqk_attention = attention, uvqk_attention
+        self.alpha = cfg.resolved_alpha
         self.normalizer, self.dropout = cfg.normalizer, cfg.dropout
 
     def forward(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
         h, dqk, dv = self.num_heads, self.dqk, self.dv
         uvqk = F.silu(self.uvqk(self.input_norm(x)))
-        u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
-        a = self.attention(
-            q.reshape(-1, h, dqk),
-            k.reshape(-1, h, dqk),
-            v.reshape(-1, h, dv),
-            seq["offsets"],
+        kw = dict(
             max_seqlen=seq["max_seqlen"],
             alpha=self.alpha,
             normalizer=self.normalizer,
@@ -90,6 +88,19 @@ class HSTULayer(nn.Module):
             rab_pos=self.rab_position.to(x.dtype) if self.rab_position is not None else None,
             rab_time=self.rab_time.to(x.dtype) if self.rab_time is not None else None,
         )
+        if self.uvqk_attention is not None:
+            dims = dict(num_heads=h, linear_dim=dv, attention_dim=dqk)
+            u, a = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw)
+        else:
+            u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+            unflat = (h, -1)
+            a = self.attention(
+                q.unflatten(-1, unflat),
+                k.unflatten(-1, unflat),
+                v.unflatten(-1, unflat),
+                seq["offsets"],
+                **kw,
+            )
         y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
         return x + self.output(y)
@@ -114,8 +125,12 @@ class HSTUModel(nn.Module):
             ],
             device=torch.device("meta") if meta_tables else None,
         )
-        attention = get_attention(cfg.attention_impl("torch"), device, cfg.attention_backward)
-        self.layers = nn.ModuleList(HSTULayer(cfg, attention) for _ in range(cfg.num_layers))
+        impl = cfg.attention_impl("torch")
+        attention = get_attention(impl, device, cfg.attention_backward)
+        uvqk_attention = get_uvqk_attention(impl, device, cfg.attention_backward)
+        self.layers = nn.ModuleList(
+            HSTULayer(cfg, attention, uvqk_attention) for _ in range(cfg.num_layers)
+        )
         self.final_norm = LayerNorm(d)
         if cfg.task == "ranking":
             self.head = nn.Module()

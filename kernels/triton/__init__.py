@@ -9,9 +9,15 @@ import importlib
 
 from .reference import hstu_attention_reference, hstu_mask_reference
 
-__all__ = ["BlockSizes", "hstu_attention", "hstu_attention_reference", "hstu_mask_reference"]
+__all__ = [
+    "BlockSizes",
+    "hstu_attention",
+    "hstu_attention_reference",
+    "hstu_mask_reference",
+    "hstu_uvqk_attention",
+]
 
-_LAZY = ("BlockSizes", "hstu_attention")
+_LAZY = ("BlockSizes", "hstu_attention", "hstu_uvqk_attention")
 
 
 def __getattr__(name: str):

@@ -84,11 +84,12 @@ def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: 
 def _dkdv_program(
     Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
 ):  # fmt: skip
     """One key block of one sample and head: dk / dv over the query blocks that can see it,
     and with FUSED each tile's dq share added into ``DQacc`` (fp32)."""
@@ -97,13 +98,17 @@ def _dkdv_program(
     )
     n0 = n_blk * BLOCK_N
     if n0 < n:
-        # DK / DVout share K / V strides (allocated with the same layout)
+        # DK / DVout: strides of their own (columns of a caller's buffer, or contiguous), or
+        # K's / V's (OUT_LIKE_IN: the same values; fewer live registers, the tiles spill less)
+        if OUT_LIKE_IN:
+            stride_dkt, stride_dkh = stride_kt, stride_kh
+            stride_dvt, stride_dvh = stride_vt, stride_vh
         Q += h * stride_qh
         K += h * stride_kh
         V += h * stride_vh
         DO += h * stride_doh
-        DK += h * stride_kh
-        DVout += h * stride_vh
+        DK += h * stride_dkh
+        DVout += h * stride_dvh
         RabPos += h * stride_rp
         RabTime += h * stride_rt
         if FUSED:
@@ -142,26 +147,28 @@ def _dkdv_program(
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
                 PREC, FAST, True, FUSED,
             )  # fmt: skip
-        _store_rows(DK, rows_n, in_n, stride_kt, dk * alpha, DQK, BLOCK_DQK)
-        _store_rows(DVout, rows_n, in_n, stride_vt, dv * inv_norm, DV, BLOCK_DV)
+        _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
+        _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
 
 
 @triton.jit
 def _hstu_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
 ):  # fmt: skip
     """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
     _dkdv_program(
         Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-        stride_rp, stride_rt, 0, 0, Sched, G, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK,
-        BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G, H,
+        P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
+        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN,
     )  # fmt: skip
 
 
@@ -169,11 +176,12 @@ def _hstu_bwd_dkdv_kernel(
 def _hstu_bwd_fused_kernel(
     Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
 ):  # fmt: skip
     """Fused backward: dk / dv per key block as ``_hstu_bwd_dkdv_kernel``, and each tile's
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
@@ -181,9 +189,10 @@ def _hstu_bwd_fused_kernel(
     _dkdv_program(
         Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-        stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
+        stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
         DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
-        FAST, True,
+        FAST, True, OUT_LIKE_IN,
     )  # fmt: skip
 
 
@@ -256,24 +265,27 @@ def _dq_tile(
 def _hstu_bwd_dq_kernel(
     Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime, DRabPos, DRabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     m0 = m_blk * BLOCK_M
     if m0 < n:
-        # DQ shares Q strides; DRabPos / DRabTime are contiguous fp32 [H, P] / [H, TB]
+        # DQ: strides of its own, or Q's (OUT_LIKE_IN); DRabPos / DRabTime are contiguous fp32
+        # [H, P] / [H, TB]
+        if OUT_LIKE_IN:
+            stride_dqt, stride_dqh = stride_qt, stride_qh
         Q += h * stride_qh
         K += h * stride_kh
         V += h * stride_vh
         DO += h * stride_doh
-        DQ += h * stride_qh
+        DQ += h * stride_dqh
         RabPos += h * stride_rp
         RabTime += h * stride_rt
         DRabPos += h * P
@@ -306,7 +318,7 @@ def _hstu_bwd_dq_kernel(
                 BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME,
                 POS_GRAD, TIME_GRAD, PREC, FAST, True,
             )  # fmt: skip
-        _store_rows(DQ, rows_m, in_m, stride_qt, dq * alpha, DQK, BLOCK_DQK)
+        _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:
             offs_tb = tl.arange(0, BLOCK_TB)
             tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")

@@ -177,6 +177,26 @@ def _schedule_kernel(
 
 
 @triton.jit
+def _zero_tail_kernel(
+    X, SeqOffsets, B, T, stride_t, stride_h, H, D,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Zeros in rows ``[SeqOffsets[B], T)`` of ``X [T, H, D]`` (last dim contiguous): the
+    capacity padding, which no attention program writes. One program per ``BLOCK_R`` rows;
+    programs wholly below the last sample's end return at once."""
+    end = tl.load(SeqOffsets + B).to(tl.int32)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 + BLOCK_R > end:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        keep = (rows >= end) & (rows < T)
+        for c0 in range(0, H * D, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            offs = rows[:, None] * stride_t + ((cols // D) * stride_h + cols % D)[None, :]
+            zero = tl.full([BLOCK_R, BLOCK_C], 0.0, X.dtype.element_ty)
+            tl.store(X + offs, zero, mask=keep[:, None] & (cols < H * D)[None, :])
+
+
+@triton.jit
 def _sample_info(
     pid, H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr
 ):  # fmt: skip

@@ -12,7 +12,7 @@ import triton
 from ..schedule import pairs, schedule
 from ..tiles import KERNELS
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
-from ._common import _schedule_kernel
+from ._common import _schedule_kernel, _zero_tail_kernel
 from ._forward import _hstu_fwd_kernel
 
 # ----------------------------------------------------------------------------------------------
@@ -187,6 +187,35 @@ def _schedule(
     return (G * H,), table, G
 
 
+def _zero_tail(x: torch.Tensor, so: torch.Tensor) -> None:
+    """Zero the rows of ``x [T, H, D]`` past the last sample (``so[-1]``): the capacity
+    padding, which no attention program writes. On the device without a host sync (CUDA
+    graphs capture it); in the interpreter with torch."""
+    T, H, D = x.shape
+    if is_interpret_mode():
+        x[int(so[-1]) :] = 0
+        return
+    if T:
+        _zero_tail_kernel[(triton.cdiv(T, 64),)](
+            x, so, so.shape[0] - 1, T, x.stride(0), x.stride(1), H, D,
+            BLOCK_R=64, BLOCK_C=min(256, triton.next_power_of_2(H * D)), num_warps=4,
+        )  # fmt: skip
+
+
+def _outputs(like, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` (a caller's buffer, e.g. columns of a wider one) checked against ``like``'s
+    shape and dtype, or a new contiguous tensor; its rows are all written by the kernels and
+    ``_zero_tail``."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if out.shape != like.shape or out.dtype != like.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out: expected shape {tuple(like.shape)}, dtype {like.dtype} and a contiguous last "
+            f"dim, got {tuple(out.shape)}, {out.dtype}, strides {out.stride()}"
+        )
+    return out
+
+
 def _pos_grad_mode(pos_grad: bool, num_buckets: int, max_seqlen: int) -> int:
     """dq kernel's rab_pos gradient: 0 none; 1 per-pair atomics (no pair distance is clamped
     into the last bucket); 2 the clamped last bucket summed per tile first."""
@@ -198,11 +227,11 @@ def _pos_grad_mode(pos_grad: bool, num_buckets: int, max_seqlen: int) -> int:
 def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_, bs):
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     T, H, _ = q.shape
-    out = torch.zeros(T, H, v.shape[2], device=q.device, dtype=q.dtype)
+    out = torch.empty(T, H, v.shape[2], device=q.device, dtype=q.dtype)
     B = seq_offsets.shape[0] - 1
     num_m = triton.cdiv(max_seqlen, bs.block_m)
     if B <= 0 or H == 0 or num_m == 0:
-        return out
+        return out.zero_()
     so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
     P = rp_.shape[1] if rp_ is not None else 1
     TB = rt_.shape[1] if rt_ is not None else 1
@@ -216,28 +245,31 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
             table, G, H, P, TB, float(alpha), 1.0 / float(normalizer),
             **_common_meta(q, v, nc_, nk_, rp_, rt_, bs),
         )  # fmt: skip
+        _zero_tail(out, so)
     return out
 
 
 def _bwd_impl(
     grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
-    need_rp, need_rt, bs, backward="split",
+    need_rp, need_rt, bs, backward="split", out=None,
 ):  # fmt: skip
     """``bs``: the (dk/dv, dq) kernels' BlockSizes; ``backward``: "split" or "fused" (the dk/dv
     tiles, one launch, dq added atomically into an fp32 buffer). "fused" runs split where a
-    bias-table gradient is needed: the dq kernel reduces those."""
+    bias-table gradient is needed: the dq kernel reduces those. ``out``: None, or the
+    (dq, dk, dv) tensors to write, any row / head strides (columns of one buffer: the caller
+    then needs no concatenation); returned as given."""
     dkdv_bs, dq_bs = bs
     check_backward(backward)
-    q, k, v = (x.contiguous() for x in (q, k, v))  # dq/dk/dv reuse these strides
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad_out = _last_dim_contiguous(grad_out.to(q.dtype))
     T, H, _ = q.shape
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dq_out, dk, dv = (_outputs(x, o) for x, o in zip((q, k, v), out or (None,) * 3, strict=True))
     pos_grad, time_grad = rp_ is not None and need_rp, rt_ is not None and need_rt
     fused = backward == "fused" and not (pos_grad or time_grad)
     f32 = dict(device=q.device, dtype=torch.float32)
     # fused: dq accumulates unscaled in fp32 ([T, H, Dqk], contiguous) and is scaled by alpha
     # and cast after the kernel; split: the dq kernel stores it scaled
-    dq = torch.zeros(q.shape, **f32) if fused else torch.zeros_like(q)
+    dq = torch.zeros(q.shape, **f32) if fused else dq_out
     drp = torch.zeros(rp_.shape, **f32) if pos_grad else torch.empty(0, **f32)
     drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
     B = seq_offsets.shape[0] - 1
@@ -246,37 +278,47 @@ def _bwd_impl(
         so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
         P = rp_.shape[1] if rp_ is not None else 1
         TB = rt_.shape[1] if rt_ is not None else 1
-        strides = (
+        inputs = (
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1),
-            rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
         )  # fmt: skip
+        tables = (rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0)
+        dkdv_out = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
+        # the kernels take the inputs' strides for their outputs where those agree (constexpr)
+        dq_like = dq.stride()[:2] == q.stride()[:2]
+        dkdv_like = dk.stride()[:2] == k.stride()[:2] and dv.stride()[:2] == v.stride()[:2]
         scalars = (P, TB, float(alpha), 1.0 / float(normalizer))
         with _device_ctx(q):
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
             if fused:
                 _hstu_bwd_fused_kernel[grid](
                     q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, rp, rt,
-                    *strides, dq.stride(0), dq.stride(1), table, G, H, *scalars,
+                    *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G, H,
+                    *scalars, OUT_LIKE_IN=dkdv_like,
                     **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
                 )  # fmt: skip
             else:
                 _hstu_bwd_dkdv_kernel[grid](
                     q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
-                    *strides, table, G, H, *scalars,
+                    *inputs, *dkdv_out, *tables, table, G, H, *scalars, OUT_LIKE_IN=dkdv_like,
                     **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
                 )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
                 _hstu_bwd_dq_kernel[grid](
                     q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
                     drp if pos_grad else so, drt if time_grad else so,
-                    *strides, table, G, H, *scalars,
+                    *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
                     BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
                     POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
-                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
+                    OUT_LIKE_IN=dq_like, **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
                 )  # fmt: skip
+            for x in (dk, dv) if fused else (dq, dk, dv):
+                _zero_tail(x, so)
+    else:
+        for x in (dq, dk, dv):
+            x.zero_()
     if fused:
-        dq = dq.mul_(float(alpha)).to(q.dtype)
+        dq = dq_out.copy_(dq.mul_(float(alpha)))
     if pos_grad:
         drp = drp.to(rp_.dtype)
     if time_grad:

@@ -62,7 +62,7 @@ from ._launch import (
     is_interpret_mode,
 )
 
-__all__ = ["BlockSizes", "hstu_attention", "is_interpret_mode"]
+__all__ = ["BlockSizes", "hstu_attention", "hstu_uvqk_attention", "is_interpret_mode"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,6 +185,54 @@ class _EagerHstuAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return _backward_with(_bwd_eager, ctx, grad_out)
+
+
+def _uvqk_views(x: torch.Tensor, heads: int, linear_dim: int, attention_dim: int):
+    """``(u [T, H dv], v [T, H, dv], q [T, H, dqk], k [T, H, dqk])``: views of the columns of
+    ``x [T, H (2 dv + 2 dqk)]`` in the HSTU layer's order (u, v, q, k)."""
+    hv, hqk = heads * linear_dim, heads * attention_dim
+    u, v, q, k = torch.split(x, [hv, hv, hqk, hqk], dim=-1)
+    return (u, v.unflatten(-1, (heads, linear_dim)), q.unflatten(-1, (heads, attention_dim)),
+            k.unflatten(-1, (heads, attention_dim)))  # fmt: skip
+
+
+class _UvqkAttention(torch.autograd.Function):
+    """``hstu_uvqk_attention``: the attention of the q / k / v columns of one ``[T, W]``
+    activation, returning its u columns (a view) with the output. The backward writes dq, dk
+    and dv into the columns of one new ``[T, W]`` gradient and du beside them, so the
+    gradient of the split is not a concatenation of four tensors; q, k and v are read where
+    they lie, not copied."""
+
+    @staticmethod
+    def forward(ctx, uvqk, heads, linear_dim, attention_dim, *inputs):
+        *args, blocks, _backward = inputs
+        u, v, q, k = _uvqk_views(uvqk, heads, linear_dim, attention_dim)
+        out = _fwd_impl(q, k, v, *args, _unpack_blocks(blocks)[0])
+        _setup_context(ctx, (q, k, v, *inputs), out)
+        ctx.layout = (uvqk.shape, uvqk.dtype, uvqk.device, heads, linear_dim, attention_dim)
+        return u, out
+
+    @staticmethod
+    def backward(ctx, du, grad_out):
+        q, k, v, seq_offsets, nc, nk, ts, rp, rt = ctx.saved_tensors
+        max_seqlen, alpha, normalizer, blocks, backward = ctx.args
+        shape, dtype, device, heads, linear_dim, attention_dim = ctx.layout
+        need = ctx.needs_input_grad  # (uvqk, heads, dv, dqk, offsets, ..., rp [11], rt [12])
+        need_rp, need_rt = rp is not None and need[11], rt is not None and need[12]
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        gu, gv, gq, gk = _uvqk_views(grad, heads, linear_dim, attention_dim)
+        gu.copy_(du) if du is not None else gu.zero_()
+        drp = drt = None
+        if grad_out is None:
+            for g in (gv, gq, gk):
+                g.zero_()
+        else:
+            *_, drp, drt = _bwd_impl(  # dq, dk, dv: written into gq, gk, gv
+                grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp,
+                rt, need_rp, need_rt, _unpack_blocks(blocks)[1], backward, out=(gq, gk, gv),
+            )  # fmt: skip
+        return (grad, None, None, None, None, None, None, None, None, None, None,
+                drp if need_rp else None, drt if need_rt else None, None, None)  # fmt: skip
 
 
 # set to False to route eager calls through the torch.library op as well
@@ -333,3 +381,57 @@ def hstu_attention(
     if EAGER_FAST_PATH and not torch.compiler.is_compiling():
         return _EagerHstuAttention.apply(*args)
     return hstu_attention_fwd(*args)
+
+
+def hstu_uvqk_attention(
+    uvqk: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    *,
+    num_heads: int,
+    linear_dim: int,
+    attention_dim: int,
+    max_seqlen: int,
+    alpha: float,
+    normalizer: float,
+    num_contextual: torch.Tensor | None = None,
+    num_candidates: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    rab_pos: torch.Tensor | None = None,
+    rab_time: torch.Tensor | None = None,
+    block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
+    backward: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HSTU layer's split and attention in one op: ``uvqk [T, H (2 dv + 2 dqk)]`` holds
+    the columns u, v, q, k (in that order); returns ``(u [T, H dv], hstu_attention(q, k, v))``,
+    u a view of ``uvqk``. Same values and gradients as splitting and calling
+    ``hstu_attention`` (every argument means what it means there); the gradient with respect
+    to ``uvqk`` is built in one buffer (no concatenation, no copies of q, k, v)."""
+    if not isinstance(uvqk, torch.Tensor) or uvqk.dim() != 2:
+        raise ValueError(f"uvqk must be a 2-D torch.Tensor, got {getattr(uvqk, 'shape', uvqk)!r}")
+    dims = {"num_heads": num_heads, "linear_dim": linear_dim, "attention_dim": attention_dim}
+    for name, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive python int, got {value!r}")
+    width = num_heads * (2 * linear_dim + 2 * attention_dim)
+    if uvqk.shape[1] != width or uvqk.stride(1) != 1:
+        raise ValueError(
+            f"uvqk must be [T, {width}] (num_heads * (2 linear_dim + 2 attention_dim)) with a "
+            f"contiguous last dim, got shape {tuple(uvqk.shape)}, strides {uvqk.stride()}"
+        )
+    u, v, q, k = _uvqk_views(uvqk, num_heads, linear_dim, attention_dim)
+    kw = dict(max_seqlen=max_seqlen, alpha=alpha, normalizer=normalizer,
+              num_contextual=num_contextual, num_candidates=num_candidates,
+              timestamps=timestamps, rab_pos=rab_pos, rab_time=rab_time,
+              block_sizes=block_sizes, backward=backward)  # fmt: skip
+    if not EAGER_FAST_PATH or torch.compiler.is_compiling():
+        return u, hstu_attention(q, k, v, seq_offsets, **kw)
+    _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
+              num_candidates, timestamps, rab_pos, rab_time)  # fmt: skip
+    mode = _resolve_backward(backward, q, v, rab_pos, rab_time)
+    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
+    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
+    return _UvqkAttention.apply(
+        uvqk, num_heads, linear_dim, attention_dim, seq_offsets, max_seqlen, float(alpha),
+        float(normalizer), num_contextual, num_candidates,
+        timestamps if rab_time is not None else None, rab_pos, rab_time, blocks, mode,
+    )  # fmt: skip

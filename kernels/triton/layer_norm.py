@@ -22,7 +22,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _fwd_kernel(
+def _layer_norm_fwd_kernel(
     X, W, B, G, Y, MEAN, RSTD,
     stride_x, stride_g, stride_y, T, D, eps,
     HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -48,7 +48,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
+def _layer_norm_bwd_kernel(
     X, W, B, G, DY, DX, DG, MEAN, RSTD, DW_PART, DB_PART,
     stride_x, stride_g, stride_dy, stride_dx, stride_dg, T, D,
     HAS_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -95,7 +95,7 @@ def _bwd_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(
+def _layer_norm_sum_partials_kernel(
     DW_PART, DB_PART, DW, DB, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
 ):
     """Column block `pid` of the weight / bias gradients: the partials summed tile by tile in
@@ -145,7 +145,7 @@ class _LayerNorm(torch.autograd.Function):
         mean = torch.empty(t, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         block_r, block_d, warps = _tiles(d)
-        _fwd_kernel[(triton.cdiv(t, block_r),)](
+        _layer_norm_fwd_kernel[(triton.cdiv(t, block_r),)](
             x2, weight, bias, g2, y, mean, rstd,
             x2.stride(0), g2.stride(0), y.stride(0), t, d, eps,
             HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
@@ -167,14 +167,14 @@ class _LayerNorm(torch.autograd.Function):
         dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
         db = torch.empty_like(dw)
         block_r, block_d, warps = _tiles(d)
-        _bwd_kernel[(programs,)](
+        _layer_norm_bwd_kernel[(programs,)](
             x2, weight, bias, g, dy2, dx, dg, mean, rstd, dw, db,
             x2.stride(0), g.stride(0), dy2.stride(0), dx.stride(0), dg.stride(0), t, d,
             HAS_GATE=has_gate, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_D=block_d,
             num_warps=warps,
         )  # fmt: skip
         dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
-        _sum_partials_kernel[(triton.cdiv(d, 64),)](
+        _layer_norm_sum_partials_kernel[(triton.cdiv(d, 64),)](
             dw, db, dweight, dbias, programs, d, BLOCK_P=32, BLOCK_C=64
         )
         dgate = dg.reshape(ctx.shape) if has_gate else None

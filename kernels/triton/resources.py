@@ -76,6 +76,7 @@ def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90) -> dict:
         DQK=dim, DV=dim, BLOCK_DQK=_block_d(dim), BLOCK_DV=_block_d(dim),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
+        OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {

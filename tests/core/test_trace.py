@@ -151,3 +151,32 @@ def test_the_timeline_shows_one_step_of_host_and_device_in_order():
         "   0.900  DEVICE busy 0.200 ms (next .. next)",
     ]
     assert "fewer than two" in tr.timeline(_torch_like())[0]
+
+
+def test_kernel_classes_sum_device_time_by_class_and_count_the_short_kernels():
+    k = {"cat": "kernel"}
+    events = [
+        _meta(1, "python"),
+        _meta(1, "main", tid=1),
+        _x(0, 7, "sm90_xmma_gemm_bf16bf16_bf16f32", 0, 100, **k),
+        _x(0, 7, "_hstu_fwd_kernel", 100, 50, **k),
+        _x(0, 20, "_hstu_bwd_dq_kernel", 150, 40, **k),
+        _x(0, 7, "_layer_norm_fwd_kernel", 200, 6, **k),
+        _x(0, 7, "multi_tensor_apply_kernel<FusedAdamMathFunctor>", 210, 30, **k),
+        _x(0, 7, "vectorized_elementwise_kernel<FillFunctor<float>>", 240, 4, **k),
+        _x(0, 7, "Memset (Device)", 250, 2, cat="gpu_memset"),
+        _x(0, 7, "vectorized_elementwise_kernel<silu_kernel>", 260, 5, **k),
+        _x(1, 1, "aten::mm", 0, 100),  # host: not counted
+    ]
+    got = tr.kernel_classes(events, steps=2, short_us_max=8.0)
+    assert got.rows == {
+        "matmul": [100, 1, 0, 0],
+        "attention": [90, 2, 0, 0],
+        "norm": [6, 1, 1, 6],
+        "optimizer": [30, 1, 0, 0],
+        "copy / fill": [6, 2, 2, 6],
+        "other": [5, 1, 1, 5],
+    }
+    lines = got.lines()
+    assert lines[1].split()[:3] == ["matmul", "0.050", "0.5"]  # per step, largest first
+    assert lines[-1].split()[:5] == ["all", "0.118", "4.0", "2.0", "0.009"]

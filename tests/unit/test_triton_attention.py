@@ -266,6 +266,102 @@ def test_fused_backward_matches_split_and_reference(
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
+# (case, dtype, backward, table grads)
+UVQK_COMBOS = [
+    ("ctx_cand", torch.float32, "split", False),
+    ("ctx_cand_rab", torch.float32, "split", True),
+    ("ctx_cand_rab", torch.bfloat16, "split", False),
+    ("ctx_cand", torch.bfloat16, "fused", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype", "backward", "table_grads"),
+    UVQK_COMBOS,
+    ids=[f"{c}-{str(d)[6:]}-{b}{'-table_grads' * g}" for c, d, b, g in UVQK_COMBOS],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_uvqk_attention_equals_split_then_attention(mode, case, dtype, backward, table_grads):
+    """`hstu_uvqk_attention` on one [T, H (2 dv + 2 dqk)] activation: u is a view of its
+    columns, the output and every gradient equal splitting it and calling `hstu_attention`
+    (the same kernels; the gradient is built in one buffer instead of a concatenation), and
+    the gradient's q / k / v columns are zero on capacity-padding rows."""
+    from hstu_kernels.triton import hstu_uvqk_attention
+
+    seed = zlib.crc32(f"uvqk/{mode}/{case}/{dtype}".encode())
+    (q, k, v), offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, seed)
+    T, H, dqk = q.shape
+    dv = v.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    uvqk0 = torch.cat([torch.randn(T, H * dv, generator=gen).to(q.device), v.flatten(1),
+                       q.flatten(1), k.flatten(1)], dim=1).to(dtype)  # fmt: skip
+    grad_u = torch.randn(T, H * dv, generator=gen).to(q.device, dtype)
+    dims = dict(num_heads=H, linear_dim=dv, attention_dim=dqk)
+    blocks = SHAPES[mode]["blocks"]["default"]
+
+    def run(fused_entry):
+        uvqk = uvqk0.clone().requires_grad_()
+        tabs = {n: t.clone().requires_grad_(table_grads) for n, t in tables.items()}
+        common = dict(**kw, **tabs, block_sizes=blocks, backward=backward)
+        if fused_entry:
+            u, out = hstu_uvqk_attention(uvqk, offsets, **dims, **common)
+            assert u.data_ptr() == uvqk.data_ptr() and u.shape == (T, H * dv)
+        else:
+            u, vv, qq, kk = torch.split(uvqk, [H * dv, H * dv, H * dqk, H * dqk], dim=1)
+            un = (H, -1)
+            out = hstu_attention(qq.unflatten(1, un), kk.unflatten(1, un), vv.unflatten(1, un),
+                                 offsets, **common)  # fmt: skip
+        wrt = [uvqk, *(tabs.values() if table_grads else ())]
+        grads = torch.autograd.grad((u, out), wrt, (grad_u, grad_out.to(dtype)))
+        return u, out, grads
+
+    u, out, grads = run(True)
+    ref_u, ref_out, ref_grads = run(False)
+    assert torch.equal(u, ref_u) and torch.equal(out, ref_out)
+    exact = backward == "split" or mode == "interpret"  # fused dq: atomics' order on a GPU
+    for g, rg in zip(grads, ref_grads, strict=True):
+        if exact:
+            assert torch.equal(g, rg)
+        else:
+            _assert_close(g, rg, TOL[dtype], "d uvqk fused")
+    assert torch.equal(grads[0][:, : H * dv], grad_u)
+    assert torch.all(grads[0][total:, H * dv :] == 0), "padding rows of dv / dq / dk"
+
+    # only the output used: the gradient's u columns are zero; only u used: all but u zero
+    uvqk = uvqk0.clone().requires_grad_()
+    again = dict(**dims, **kw, **tables, block_sizes=blocks, backward="split")
+    (g,) = torch.autograd.grad(
+        hstu_uvqk_attention(uvqk, offsets, **again)[1], uvqk, grad_out.to(dtype)
+    )
+    if backward == "split":
+        assert torch.equal(g[:, H * dv :], ref_grads[0][:, H * dv :])
+    assert torch.all(g[:, : H * dv] == 0) and torch.any(g[:, H * dv :] != 0)
+    (g,) = torch.autograd.grad(hstu_uvqk_attention(uvqk, offsets, **again)[0], uvqk, grad_u)
+    assert torch.equal(g[:, : H * dv], grad_u) and torch.all(g[:, H * dv :] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_uvqk_attention_validation(mode):
+    from hstu_kernels.triton import hstu_uvqk_attention
+
+    dev = _device(mode)
+    offsets = torch.tensor([0, 5], device=dev)
+    kw = dict(max_seqlen=5, alpha=1.0, normalizer=5.0)
+    x = torch.zeros(5, 2 * (2 * 8 + 2 * 4), device=dev)
+    with pytest.raises(ValueError, match=r"uvqk must be \[T, 48\]"):
+        hstu_uvqk_attention(x[:, :40], offsets, num_heads=2, linear_dim=8, attention_dim=4, **kw)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        hstu_uvqk_attention(torch.zeros(48, 5, device=dev).t(), offsets, num_heads=2,
+                            linear_dim=8, attention_dim=4, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="num_heads must be a positive python int"):
+        hstu_uvqk_attention(x, offsets, num_heads=0, linear_dim=8, attention_dim=4, **kw)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        _launch._bwd_impl(*(torch.zeros(5, 2, 4, device=dev) for _ in range(4)), offsets, 5,
+                          1.0, 5.0, None, None, None, None, None, False, False,
+                          (BlockSizes(16, 16, 1, 1),) * 2,
+                          out=[torch.zeros(5, 2, 8, device=dev)] * 3)  # fmt: skip
+
+
 @pytest.mark.parametrize("pos_buckets", ["few", "all"])
 @pytest.mark.parametrize("mode", MODES)
 def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, monkeypatch):
