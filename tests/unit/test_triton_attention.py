@@ -318,12 +318,12 @@ def test_uvqk_attention_equals_split_then_attention(mode, case, dtype, backward,
     u, out, grads = run(True)
     ref_u, ref_out, ref_grads = run(False)
     assert torch.equal(u, ref_u) and torch.equal(out, ref_out)
-    exact = backward == "split" or mode == "interpret"  # fused dq: atomics' order on a GPU
-    for g, rg in zip(grads, ref_grads, strict=True):
-        if exact:
+    # on a GPU the fused dq and the bias tables' gradients sum by atomics, in varying order
+    for i, (g, rg) in enumerate(zip(grads, ref_grads, strict=True)):
+        if mode == "interpret" or (i == 0 and backward == "split"):
             assert torch.equal(g, rg)
         else:
-            _assert_close(g, rg, TOL[dtype], "d uvqk fused")
+            _assert_close(g, rg, max(TOL[dtype], 1e-4), f"gradient {i}")
     assert torch.equal(grads[0][:, : H * dv], grad_u)
     assert torch.all(grads[0][total:, H * dv :] == 0), "padding rows of dv / dq / dk"
 
