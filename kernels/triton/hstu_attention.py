@@ -221,7 +221,10 @@ class _UvqkAttention(torch.autograd.Function):
         need_rp, need_rt = rp is not None and need[11], rt is not None and need[12]
         grad = torch.empty(shape, dtype=dtype, device=device)
         gu, gv, gq, gk = _uvqk_views(grad, heads, linear_dim, attention_dim)
-        gu.copy_(du) if du is not None else gu.zero_()
+        if du is None:
+            gu.zero_()
+        else:
+            gu.copy_(du)
         drp = drt = None
         if grad_out is None:
             for g in (gv, gq, gk):
@@ -339,6 +342,19 @@ def _resolve_blocks(
     return resolve_tiles(block_sizes, BlockSizes, default)
 
 
+def _op_args(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt,
+             block_sizes, backward) -> tuple:  # fmt: skip
+    """The ops' arguments, checked, with the backward mode and every kernel's tiles resolved:
+    ``(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt, blocks,
+    mode)`` (timestamps only where rab_time reads them)."""
+    _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt)
+    mode = _resolve_backward(backward, q, v, rp, rt)
+    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
+    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
+    return (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), nc, nk,
+            ts if rt is not None else None, rp, rt, blocks, mode)  # fmt: skip
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -370,14 +386,22 @@ def hstu_attention(
     of ``rab_pos`` / ``rab_time`` is needed (a table that requires grad): the split dq kernel
     reduces those. Biases without gradients run fused.
     """
-    _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
-              num_candidates, timestamps, rab_pos, rab_time)  # fmt: skip
-    mode = _resolve_backward(backward, q, v, rab_pos, rab_time)
-    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
-    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
-    args = (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), num_contextual,
-            num_candidates, timestamps if rab_time is not None else None, rab_pos, rab_time,
-            blocks, mode)  # fmt: skip
+    args = _op_args(
+        q,
+        k,
+        v,
+        seq_offsets,
+        max_seqlen,
+        alpha,
+        normalizer,
+        num_contextual,
+        num_candidates,
+        timestamps,
+        rab_pos,
+        rab_time,
+        block_sizes,
+        backward,
+    )
     if EAGER_FAST_PATH and not torch.compiler.is_compiling():
         return _EagerHstuAttention.apply(*args)
     return hstu_attention_fwd(*args)
@@ -419,19 +443,23 @@ def hstu_uvqk_attention(
             f"contiguous last dim, got shape {tuple(uvqk.shape)}, strides {uvqk.stride()}"
         )
     u, v, q, k = _uvqk_views(uvqk, num_heads, linear_dim, attention_dim)
-    kw = dict(max_seqlen=max_seqlen, alpha=alpha, normalizer=normalizer,
-              num_contextual=num_contextual, num_candidates=num_candidates,
-              timestamps=timestamps, rab_pos=rab_pos, rab_time=rab_time,
-              block_sizes=block_sizes, backward=backward)  # fmt: skip
+    args = _op_args(
+        q,
+        k,
+        v,
+        seq_offsets,
+        max_seqlen,
+        alpha,
+        normalizer,
+        num_contextual,
+        num_candidates,
+        timestamps,
+        rab_pos,
+        rab_time,
+        block_sizes,
+        backward,
+    )
     if not EAGER_FAST_PATH or torch.compiler.is_compiling():
-        return u, hstu_attention(q, k, v, seq_offsets, **kw)
-    _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
-              num_candidates, timestamps, rab_pos, rab_time)  # fmt: skip
-    mode = _resolve_backward(backward, q, v, rab_pos, rab_time)
-    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
-    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
-    return _UvqkAttention.apply(
-        uvqk, num_heads, linear_dim, attention_dim, seq_offsets, max_seqlen, float(alpha),
-        float(normalizer), num_contextual, num_candidates,
-        timestamps if rab_time is not None else None, rab_pos, rab_time, blocks, mode,
-    )  # fmt: skip
+        return u, hstu_attention_fwd(*args)
+    # u from the op (not the view above): its gradient goes into the op's one buffer
+    return _UvqkAttention.apply(uvqk, num_heads, linear_dim, attention_dim, *args[3:])
