@@ -6,6 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bwd optim mosaic recipes workers overrides
+#                                               host
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -272,6 +273,21 @@ print('torchrec', torchrec.__version__)" ;;
             python scripts/profile_step.py --backend $backend --config bench_upstream \
             --steps ${PROFILE_STEPS:-40} --profile-at ${PROFILE_AT:-32} --profile-steps 3 \
             --top ${PROFILE_TOP:-25} ${PROFILE_HLO:+--hlo} data.batch_size=$b ${PROFILE_ARGS:-}
+        done
+      done ;;
+    host)
+      # the torch step's host time by call, no profiler (scripts/host_time.py), per batch size
+      # ($HOST_BATCHES), overrides $HOST_ARGS; with $AB_TREE (as in tab) that tree first, each
+      # timed by this tree's script
+      sides=after; [ -n "${AB_TREE:-}" ] && sides="before after"
+      for b in ${HOST_BATCHES:-8 32}; do
+        for side in $sides; do
+          tree=$PWD; [ $side = before ] && tree=$(cd "$AB_TREE" && pwd)
+          mkdir -p /tmp/hstu-path-$side && ln -sfn "$tree/kernels" /tmp/hstu-path-$side/hstu_kernels \
+            && ln -sfn "$tree/configs" /tmp/hstu-path-$side/hstu_recipes
+          run "host_${side}_b$b" env -C "$tree" PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree \
+            python "$PWD/scripts/host_time.py" --config bench_upstream --steps 70 --skip 10 \
+            data.batch_size=$b ${HOST_ARGS:-}
         done
       done ;;
     e2e2)

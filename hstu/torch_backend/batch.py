@@ -138,36 +138,61 @@ def _check_values(key: str, values: np.ndarray) -> None:
         raise HSTUError(f"jagged values['{key}'] exceed the int64 range of a KJT")
 
 
-def to_torch(batch: JaggedBatch) -> TorchBatch:
-    """Host JaggedBatch -> TorchBatch of CPU tensors (pin and copy with `.pin_memory().to()`)."""
+def _flat_ids(batch: JaggedBatch) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(key-major int64 values, int64 lengths `[K * B]`, value count per key) of a batch."""
     keys = batch.keys
-    bs = int(batch.batch_size)
-    lengths = [np.asarray(batch.lengths[k], dtype=np.int64) for k in keys]
+    if not keys:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), []
     values = []
     for k in keys:
         v = np.asarray(batch.values[k])
         _check_values(k, v)
-        values.append(v.astype(np.int64, copy=False))
-    lengths_flat = np.concatenate(lengths) if keys else np.zeros(0, np.int64)
-    values_flat = np.concatenate(values) if keys else np.zeros(0, np.int64)
-    kjt = make_kjt(
-        keys,
-        torch.from_numpy(np.ascontiguousarray(values_flat)),
-        torch.from_numpy(np.ascontiguousarray(lengths_flat)),
-        bs,
-        [len(v) for v in values],
-    )
-    dense = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.dense.items()}
+        values.append(v)
+    lengths = np.concatenate([np.asarray(batch.lengths[k], np.int64) for k in keys])
+    return np.concatenate(values, dtype=np.int64), lengths, [len(v) for v in values]
+
+
+def _torch_batch(batch: JaggedBatch, values, lengths, host_lengths, per_key, dense) -> TorchBatch:
+    keys, bs = batch.keys, int(batch.batch_size)
     seq = batch.seq_lengths()
     return TorchBatch(
-        kjt,
+        make_kjt(keys, values, lengths, bs, per_key),
         dense,
         bs,
         int(batch.actual_batch_size),
         {k: np.asarray(batch.values[k]).dtype.str for k in keys},
         int(seq.max()) if seq.size else 0,
-        np.stack(lengths) if keys else np.zeros((0, bs), np.int64),
+        host_lengths.reshape(len(keys), bs),
     )
+
+
+def to_torch(batch: JaggedBatch) -> TorchBatch:
+    """Host JaggedBatch -> TorchBatch of CPU tensors (to a GPU: `to_device`)."""
+    values, lengths, per_key = _flat_ids(batch)
+    dense = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.dense.items()}
+    lengths_t = torch.from_numpy(lengths)
+    return _torch_batch(batch, torch.from_numpy(values), lengths_t, lengths, per_key, dense)
+
+
+def to_device(batch: JaggedBatch, device: torch.device | str) -> TorchBatch:
+    """Host JaggedBatch -> TorchBatch on `device` in one transfer: ids and lengths are written
+    into one int64 buffer (in pinned memory on CUDA), copied with `non_blocking=True`, and the
+    KJT's values and lengths are views of the copy. Per step that replaces TorchRec's pin and
+    copy of each KJT field (and their allocations) by one of each. Dense fields, which the
+    recipes do not have, are pinned and copied one by one."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return to_torch(batch).to(device)
+    values, lengths, per_key = _flat_ids(batch)
+    host = torch.empty(values.size + lengths.size, dtype=torch.int64, pin_memory=True)
+    np.concatenate([values, lengths], out=host.numpy())
+    flat = host.to(device, non_blocking=True)
+    dense = {
+        k: torch.from_numpy(np.ascontiguousarray(v)).pin_memory().to(device, non_blocking=True)
+        for k, v in batch.dense.items()
+    }
+    ids, lengths_t = flat[: values.size], flat[values.size :]
+    return _torch_batch(batch, ids, lengths_t, lengths, per_key, dense)
 
 
 def to_jagged(tb: TorchBatch) -> JaggedBatch:

@@ -5,11 +5,12 @@ The schedule (two phases, worker-thread partitioning, collective order) is the c
 `identity` | `balanced` (the pipeline skips the exchange for identity) and exchanges
 `allgather` | `all2all` (registry below).
 
-On CUDA the copy and the exchange run on a side stream: `to_device` pins the host batch and
-copies it there with `non_blocking=True`, the collectives of phase 1 and 2 are issued under the
-same stream, and `ready()` makes the compute stream wait for it and records the batch's
-tensors on the compute stream so the allocator does not recycle them early. Collectives are
-issued from the host in the pipeline's order, the same on every rank, whatever the stream.
+On CUDA the copy and the exchange run on a side stream: `to_device` writes the host batch's ids
+and lengths into one pinned buffer and copies it there with `non_blocking=True`, the
+collectives of phase 1 and 2 are issued under the same stream, and `ready()` makes the compute
+stream wait for it and records the batch's tensors on the compute stream so the allocator does
+not recycle them early. Collectives are issued from the host in the pipeline's order, the
+same on every rank, whatever the stream.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hstu.errors import HSTUError
 from hstu.pipeline import STAT_REAL
 from hstu.shuffle_plan import ShufflePlan
 from hstu.torch_backend import collectives
-from hstu.torch_backend.batch import TorchBatch, to_torch
+from hstu.torch_backend.batch import TorchBatch, to_device
 from hstu.workload import HSTUCost
 
 SHUFFLERS = ("identity", "balanced")
@@ -124,11 +125,8 @@ class TorchShuffler:
             raise HSTUError(f"torch backend drives one rank per process, got {len(batches)}")
         batch = batches[0]
         self._validate(batch)
-        host = to_torch(batch)
-        if self.device.type != "cuda":
-            return host.to(self.device)
         with self._side():
-            return host.pin_memory().to(self.device, non_blocking=True)
+            return to_device(batch, self.device)
 
     def allgather_stats(self, local_stats: np.ndarray) -> np.ndarray:
         if self.host_group is not None:

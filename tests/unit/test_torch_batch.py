@@ -14,6 +14,7 @@ from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import (  # noqa: E402
     select_segments,
     select_segments_reference,
+    to_device,
     to_jagged,
     to_torch,
 )
@@ -60,6 +61,11 @@ def test_round_trip_is_lossless(make):
     tb = to_torch(batch)
     back = to_jagged(tb)
     assert not back.diff(batch), back.diff(batch)
+    # the host keeps the lengths it copied, `[num_keys, B]` (the layout is built from them)
+    want = np.stack([batch.lengths[k] for k in batch.keys]) if batch.keys else None
+    if want is not None:
+        assert np.array_equal(tb.host_lengths, want)
+    assert to_jagged(to_device(batch, "cpu")).diff(batch) == []
     assert back.validate() is back
     # strip_padding agrees with the core's (jagged and dense dropped together)
     stripped = to_jagged(tb.strip_padding())
@@ -119,13 +125,17 @@ def test_dense_bytes_round_trip():
 
 @pytest.mark.gpu
 def test_cuda_copy_and_fbgemm_segment_gather():
+    # one pinned buffer, one copy on a side stream (to_device); ids and lengths are its views
+    for batch in [*_batches(), _odd_batch(), empty_like(_odd_batch())]:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            dev = to_device(batch, "cuda")
+        torch.cuda.current_stream().wait_stream(stream)
+        dev.record_stream(torch.cuda.current_stream())
+        assert dev.device.type == "cuda"
+        assert not to_jagged(dev).diff(batch)
+        assert not to_jagged(dev.strip_padding()).diff(batch.strip_padding())
     batch = _batches()[0]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        dev = to_torch(batch).pin_memory().to("cuda", non_blocking=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    dev.record_stream(torch.cuda.current_stream())
-    assert not to_jagged(dev).diff(batch)
     rng = np.random.default_rng(1)
     lengths = torch.from_numpy(rng.integers(0, 5, 200)).cuda()
     values = torch.arange(int(lengths.sum()), device="cuda")
