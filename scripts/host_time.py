@@ -26,7 +26,8 @@ import time
 # module, attribute path: the host calls timed (nested calls are timed inside their callers)
 TARGETS = [
     ("hstu.torch_backend.shuffler", "TorchShuffler.to_device"),
-    ("hstu.torch_backend.batch", "TorchBatch.pin_memory"),
+    ("hstu.torch_backend.batch", "TorchBatch.pin_memory"),  # trees before staging.py
+    ("hstu.torch_backend.staging", "PinnedStaging.copy"),
     ("hstu.torch_backend.train_step", "TorchBackend.forward_backward"),
     ("hstu.torch_backend.shuffler", "TorchShuffler.ready"),
     ("hstu.torch_backend.model", "HSTUModel.sequence"),
@@ -66,11 +67,16 @@ class Timers:
 
 
 def install(timers: Timers) -> None:
+    """Wrap every target this tree has (the script also times older trees: `gpu_check host`)."""
     for module, path in TARGETS:
-        owner = importlib.import_module(module)
-        *parents, name = path.split(".")
-        for p in parents:
-            owner = getattr(owner, p)
+        try:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            getattr(owner, name)
+        except (ImportError, AttributeError):
+            continue
         timers.wrap(owner, name, path)
 
 

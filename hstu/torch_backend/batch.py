@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hstu.batch import JaggedBatch
 from hstu.errors import HSTUError
 from hstu.torch_backend.layout import TokenLayout
+from hstu.torch_backend.staging import to_device_int64
 
 
 @dataclass
@@ -57,14 +58,6 @@ class TorchBatch:
             layout=self.layout and self.layout.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> TorchBatch:
-        return replace(
-            self,
-            kjt=self.kjt.pin_memory(),
-            dense={k: v.pin_memory() for k, v in self.dense.items()},
-            layout=self.layout and self.layout.pin_memory(),
-        )
-
     def record_stream(self, stream) -> None:
         """Tell the caching allocator that `stream` uses these tensors (CUDA only)."""
         if self.device.type != "cuda":
@@ -77,9 +70,9 @@ class TorchBatch:
 
     def token_layout(self) -> TokenLayout | None:
         """Where every token goes (layout.py), built on the host from `host_lengths` the first
-        time a step needs it and copied from pinned memory (a batch that only passes through,
-        e.g. the one a balanced exchange replaces, never builds one); None when the batch lacks
-        a key of the model's token table."""
+        time a step needs it and copied through the staging ring (a batch that only passes
+        through, e.g. the one a balanced exchange replaces, never builds one); None when the
+        batch lacks a key of the model's token table."""
         if self.layout is None:
             lengths = self.host_lengths
             if lengths is None:  # built without them (library use): read back, a sync
@@ -87,9 +80,8 @@ class TorchBatch:
             layout = TokenLayout.of_lengths_KB(self.keys, lengths)
             if layout is None:
                 return None
-            if self.device.type == "cuda":
-                layout = layout.pin_memory()
-            self.layout = layout.to(self.device, non_blocking=True)
+            (buffer,) = to_device_int64([layout.buffer.numpy()], self.device)
+            self.layout = replace(layout, buffer=buffer)
         return self.layout
 
     def strip_padding(self) -> TorchBatch:
@@ -175,23 +167,20 @@ def to_torch(batch: JaggedBatch) -> TorchBatch:
 
 
 def to_device(batch: JaggedBatch, device: torch.device | str) -> TorchBatch:
-    """Host JaggedBatch -> TorchBatch on `device` in one transfer: ids and lengths are written
-    into one int64 buffer (in pinned memory on CUDA), copied with `non_blocking=True`, and the
-    KJT's values and lengths are views of the copy. Per step that replaces TorchRec's pin and
-    copy of each KJT field (and their allocations) by one of each. Dense fields, which the
-    recipes do not have, are pinned and copied one by one."""
+    """Host JaggedBatch -> TorchBatch on `device` in one transfer: ids and lengths go through
+    one reused page-locked buffer (staging.py) and one `non_blocking` copy; the KJT's values
+    and lengths are views of it. (Pinning each KJT field and copying it, as TorchRec's
+    `pin_memory().to()` does, allocated page-locked memory every step.) Dense fields, which
+    the recipes do not have, are pinned and copied one by one."""
     device = torch.device(device)
     if device.type != "cuda":
         return to_torch(batch).to(device)
     values, lengths, per_key = _flat_ids(batch)
-    host = torch.empty(values.size + lengths.size, dtype=torch.int64, pin_memory=True)
-    np.concatenate([values, lengths], out=host.numpy())
-    flat = host.to(device, non_blocking=True)
+    ids, lengths_t = to_device_int64([values, lengths], device)
     dense = {
         k: torch.from_numpy(np.ascontiguousarray(v)).pin_memory().to(device, non_blocking=True)
         for k, v in batch.dense.items()
     }
-    ids, lengths_t = flat[: values.size], flat[values.size :]
     return _torch_batch(batch, ids, lengths_t, lengths, per_key, dense)
 
 

@@ -26,6 +26,7 @@ from hstu.errors import HSTUError
 from hstu.pipeline import NUM_FIXED_STATS, STAT_TOKENS, gathered_lengths
 from hstu.shuffle_plan import ShufflePlan
 from hstu.torch_backend.batch import TorchBatch, make_kjt, select_segments
+from hstu.torch_backend.staging import to_device_int64
 
 
 def _gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
@@ -38,11 +39,8 @@ def _gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Small host index arrays to the device without blocking the host (pinned on CUDA)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    """A small host index array on the device without blocking the host (staging.py)."""
+    return to_device_int64([array], device)[0]
 
 
 def allgather_stats(

@@ -11,9 +11,10 @@ expansions, gathers, an inverse permutation; 62 ops before the stack in all, 12 
 kernel launched from Python by the dispatching thread before the graphed HSTU stack could
 start: on the bench_upstream recipe (one H200, batch 32) the GPU ran dry in that window, 3.9 ms
 of idle per step charged to it (docs/BENCHMARKS.md). Here it is numpy, packed into one int64
-buffer and copied from pinned memory in one transfer; on the device it is only sliced (views,
-no kernels). A batch keeps the lengths the host knows (`TorchBatch.host_lengths`) and builds
-its layout the first time a step needs it, so a batch a balanced exchange replaces builds none.
+buffer and copied in one transfer (through the page-locked ring of staging.py); on the device
+it is only sliced (views, no kernels). A batch keeps the lengths the host knows
+(`TorchBatch.host_lengths`) and builds its layout the first time a step needs it, so a batch
+a balanced exchange replaces builds none.
 """
 
 from __future__ import annotations
@@ -94,9 +95,6 @@ class TokenLayout:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> TokenLayout:
         return replace(self, buffer=self.buffer.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> TokenLayout:
-        return replace(self, buffer=self.buffer.pin_memory())
 
     def strip(self, rows: int) -> TokenLayout:
         return replace(self, rows=rows)

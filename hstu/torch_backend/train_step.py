@@ -39,6 +39,8 @@ from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.torch_backend.state import make_optimizer, rank_seed
 from hstu.torch_backend.timing import time_forward_backward
 
+METRIC_SLOTS = 4  # page-locked buffers for the scalars of steps not yet fetched
+
 
 class TorchBackend(TorchShuffler):
     """The core trainer's Backend for one data-parallel rank."""
@@ -78,6 +80,8 @@ class TorchBackend(TorchShuffler):
             }
         self.buckets = GradBuckets(self.params, world_size, group)
         self._eval_model: HSTUModel | None = None  # fused tables: rank 0's evaluation copy
+        self._metric_slots: list[torch.Tensor | None] = [None] * METRIC_SLOTS
+        self._metric_next = 0
 
     def use_cuda_graphs(self, policy: CapacityPolicy) -> None:
         """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities."""
@@ -160,12 +164,25 @@ class TorchBackend(TorchShuffler):
         if self.device.type == "cuda":
             # Copy into pinned memory and mark the point: `fetch_metrics` waits for this step
             # only, while later steps keep the GPU busy (a plain .tolist() would wait for all).
-            host = torch.empty(scalars.shape, dtype=scalars.dtype, pin_memory=True)
+            host = self._metrics_slot(scalars)
             host.copy_(scalars, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
             return {**handle, "scalars": host, "done": done}
         return {**handle, "done": None}
+
+    def _metrics_slot(self, scalars: torch.Tensor) -> torch.Tensor:
+        """A page-locked host buffer for one step's scalars, from a ring of METRIC_SLOTS
+        allocated once (a page-locked allocation per step cost host time: staging.py). A slot
+        comes round again METRIC_SLOTS steps later; the pipeline has fetched its step's
+        metrics one step after dispatching it."""
+        i = self._metric_next
+        self._metric_next = (i + 1) % METRIC_SLOTS
+        buf = self._metric_slots[i]
+        if buf is None or buf.numel() < scalars.numel():
+            buf = torch.empty(scalars.numel() + 8, dtype=scalars.dtype, pin_memory=True)
+            self._metric_slots[i] = buf
+        return buf[: scalars.numel()]
 
     def fetch_metrics(self, pending: dict) -> dict[str, float]:
         if pending["done"] is not None:

@@ -144,3 +144,33 @@ def test_cuda_copy_and_fbgemm_segment_gather():
     got = select_segments(values, lengths, idx, total)  # fbgemm on CUDA
     want = select_segments_reference(values, lengths, idx, total)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_staging_copies_int64_arrays_as_views_of_one_transfer():
+    from hstu.torch_backend.staging import to_device_int64
+
+    arrays = [np.arange(5), np.array([7, -1], np.int32), np.zeros(0, np.int64), np.array([2**40])]
+    got = to_device_int64(arrays, torch.device("cpu"))
+    assert [t.dtype for t in got] == [torch.int64] * 4
+    assert [t.tolist() for t in got] == [a.astype(np.int64).tolist() for a in arrays]
+
+
+@pytest.mark.gpu
+def test_staging_ring_reuses_its_page_locked_buffers():
+    from hstu.torch_backend.staging import SLOTS, PinnedStaging
+
+    ring, device = PinnedStaging(), torch.device("cuda")
+    rng = np.random.default_rng(0)
+    outs, wants = [], []
+    for _ in range(5 * SLOTS):  # every slot comes round several times, copies in flight
+        arrays = [rng.integers(-(2**40), 2**40, int(n)) for n in rng.integers(0, 300, 3)]
+        outs.append(ring.copy(arrays, device))
+        wants.append(arrays)
+    assert ring.allocations == SLOTS  # one page-locked buffer per slot, then only reuse
+    big = [np.arange(50_000)]
+    outs.append(ring.copy(big, device))  # a larger copy grows the slot it lands in, once
+    wants.append(big)
+    assert ring.allocations == SLOTS + 1
+    torch.cuda.synchronize()
+    for out, arrays in zip(outs, wants, strict=True):
+        assert [t.cpu().numpy().tolist() for t in out] == [a.tolist() for a in arrays]
