@@ -51,13 +51,19 @@ class PinnedStaging:
         total = sum(sizes)
         i, buf = self._slot(total)
         host = buf[:total]
-        if arrays:
-            np.concatenate([np.ravel(a) for a in arrays], dtype=np.int64, out=host.numpy())
+        pack(arrays, host.numpy())
         flat = host.to(device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self.events[i] = event
         return list(torch.split(flat, sizes))
+
+
+def pack(arrays: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """The arrays' values one after another in `out` (int64, exactly their total size)."""
+    if arrays:
+        np.concatenate([np.ravel(a) for a in arrays], out=out)
+    return out
 
 
 _RINGS: dict[torch.device, PinnedStaging] = {}

@@ -147,12 +147,16 @@ def test_cuda_copy_and_fbgemm_segment_gather():
 
 
 def test_staging_copies_int64_arrays_as_views_of_one_transfer():
-    from hstu.torch_backend.staging import to_device_int64
+    from hstu.torch_backend.staging import pack, to_device_int64
 
     arrays = [np.arange(5), np.array([7, -1], np.int32), np.zeros(0, np.int64), np.array([2**40])]
+    want = [a.astype(np.int64).tolist() for a in arrays]
     got = to_device_int64(arrays, torch.device("cpu"))
     assert [t.dtype for t in got] == [torch.int64] * 4
-    assert [t.tolist() for t in got] == [a.astype(np.int64).tolist() for a in arrays]
+    assert [t.tolist() for t in got] == want
+    # what the ring writes into its page-locked slot (GPU test below)
+    out = pack([*arrays, np.array([True, False])], np.full(10, -5, np.int64))
+    assert out.tolist() == sum(want, []) + [1, 0]
 
 
 @pytest.mark.gpu
