@@ -20,6 +20,7 @@ import collections
 import functools
 import importlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -91,6 +92,13 @@ def main(argv=None):
     p.add_argument("--config", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=10, help="steps left out at the start")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval (s) for the run: how long a thread holding the GIL keeps it "
+        "while another waits (Python's default 0.005)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(
@@ -102,6 +110,8 @@ def main(argv=None):
             f"output_dir={tempfile.mkdtemp(prefix='hstu-host-')}",
         ],
     )
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     timers = Timers()
     install(timers)
     counted, per_step = [], []
