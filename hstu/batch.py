@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -320,6 +321,18 @@ def from_samples(
         col[: len(samples)] = [int(s[k]) for s in samples]
         dense[k] = col
     return JaggedBatch(batch_size, len(samples), lengths, values, dense)
+
+
+@dataclass(frozen=True)
+class ModelInputCheck:
+    """`check_model_inputs` bound to a model config, as a picklable callable `(batch, rank)`
+    (it runs in the data worker processes with `data.workers`)."""
+
+    model: Any
+    max_seqlen: int
+
+    def __call__(self, batch: JaggedBatch, rank: int | None = None) -> None:
+        check_model_inputs(batch, self.model, self.max_seqlen, rank)
 
 
 def check_model_inputs(batch: JaggedBatch, model, max_seqlen: int, rank: int | None = None):

@@ -87,6 +87,28 @@ def sample_stats(batches: Sequence[JaggedBatch], cost: HSTUCost, task: str) -> n
     return np.concatenate(rows).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class BatchPrep:
+    """What the host does to a step's batches before any collective: `validate()`, the model's
+    input checks (`check(batch, rank)`), the per-sample stats. `(host batches) -> (host
+    batches, stats)`; picklable, so that with `data.workers` it runs in the worker processes
+    (hstu.data.workers): on the prefetch thread it held the GIL the dispatching thread needs."""
+
+    ranks: tuple[int, ...]
+    cost: HSTUCost
+    task: str
+    validate: bool = True
+    check: Callable[[JaggedBatch, int], None] | None = None
+
+    def __call__(self, host: Sequence[JaggedBatch]) -> tuple[Sequence[JaggedBatch], np.ndarray]:
+        if self.validate:  # before any collective: a bad batch fails here, on its own rank
+            for r, b in zip(self.ranks, host, strict=True):
+                b.validate(rank=r)
+                if self.check is not None:
+                    self.check(b, r)
+        return host, sample_stats(host, self.cost, self.task)
+
+
 def gathered_lengths(stats: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]:
     """Per-key lengths of every global sample, from the gathered stats."""
     return {k: stats[:, NUM_FIXED_STATS + i] & signature.LENGTH_MASK for i, k in enumerate(keys)}
@@ -326,13 +348,16 @@ def run(
     after_dispatch: Callable[[int], bool | None] | None = None,
     probe: Callable[[int, Prepared], dict | None] | None = None,
     should_stop: Callable[[int], bool] | None = None,
+    prepared: bool = False,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
     `batches` yields this process's per-rank batches per step.
 
     Host side: with `prefetch` > 0 reading, `validate()`, `check(batch, rank)` (the model's
-    input checks) and the per-sample stats of the next batches run that many batches ahead on
-    a thread; all of it before any collective of that batch.
+    input checks) and the per-sample stats of the next batches (`BatchPrep`) run that many
+    batches ahead on a thread; all of it before any collective of that batch. `prepared`:
+    `batches` yields what `BatchPrep(backend.local_ranks, cost, task, validate, check)`
+    returns, already done elsewhere (the data worker processes); the thread only reads.
 
     Metrics are fetched one step late: step i's are read after step i+1 is dispatched, so the
     host never waits for the device between steps. Step i's `step_time_s` is the main thread's
@@ -352,13 +377,10 @@ def run(
     """
     balancer = Balancer(backend, shuffler, method, overlap)
 
-    def prepare(host: Sequence[JaggedBatch]):
-        if validate:  # before any collective: a bad batch fails here, on its own rank
-            for r, b in zip(backend.local_ranks, host, strict=True):
-                b.validate(rank=r)
-                if check is not None:
-                    check(b, r)
-        return host, sample_stats(host, cost, task)
+    prep = BatchPrep(tuple(backend.local_ranks), cost, task, validate, check)
+
+    def prepare(item):
+        return item if prepared else prep(item)
 
     source = (
         HostPrefetcher(batches, prepare, num_steps, prefetch)

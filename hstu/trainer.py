@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hstu import pipeline
-from hstu.batch import check_model_inputs
+from hstu.batch import ModelInputCheck
 from hstu.data import packing
 from hstu.data.loader import DataLoader, SampleSource
 from hstu.data.workers import WorkerLoader
@@ -213,8 +213,11 @@ def train(
         return None
 
     max_seqlen = cfg.data.max_seqlen
-    if cfg.data.workers:  # batches built in processes of their own (hstu.data.workers)
-        loader = WorkerLoader(loader, cfg.data.workers, ahead=cfg.data.prefetch + 1)
+    cost = HSTUCost.from_model_config(cfg.model)
+    check = ModelInputCheck(cfg.model, max_seqlen)
+    if cfg.data.workers:  # batches built and prepared in processes of their own
+        prep = pipeline.BatchPrep(tuple(backend.local_ranks), cost, cfg.model.task, True, check)
+        loader = WorkerLoader(loader, cfg.data.workers, cfg.data.prefetch + 1, prep)
     # No step dispatched for train.watchdog_s: every thread's stack, then the run ends.
     watchdog = Watchdog(tc.watchdog_s, f"rank(s) {list(backend.local_ranks)}").start()
     try:
@@ -222,7 +225,7 @@ def train(
             backend,
             batches(),
             tc.steps - start,
-            HSTUCost.from_model_config(cfg.model),
+            cost,
             cfg.model.task,
             cfg.balance.shuffler,
             cfg.balance.method,
@@ -230,10 +233,11 @@ def train(
             on_step=metrics_ready,
             start_step=start,
             prefetch=cfg.data.prefetch,
-            check=lambda b, r: check_model_inputs(b, cfg.model, max_seqlen, r),
+            check=check,
             after_dispatch=after_dispatch,
             probe=probe if bench.probe_every else None,
             should_stop=lambda step: progress["stop"],
+            prepared=bool(cfg.data.workers),
         )
         if evaluation is not None:
             evaluation.finish(progress["done"], watchdog.beat)

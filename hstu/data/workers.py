@@ -5,6 +5,10 @@ a prepared one is sliced out of its arrays): on the host prefetch thread it hold
 the training loop needs to dispatch the step. On the bench_upstream recipe at batch 32 that
 thread held it for ~11 ms per step (jax.profiler, one H200), and the main thread waited for it
 inside the step's dispatch while the GPU idled. Worker processes have interpreters of their own.
+What the host does next to a batch before the step (validation, the model's input checks, the
+per-sample stats: `hstu.pipeline.BatchPrep`) runs there too, for the same reason: on the
+prefetch thread it cost the torch step's dispatching thread about 1 ms of waiting for the GIL
+per step at batch 8 (`scripts/host_time.py`, one H200).
 
 The loader's batches depend on their position alone (`DataLoader.batch_at`), so the workers
 take positions in order, `ahead` of them in flight, and the batches come back in that order:
@@ -22,38 +26,44 @@ import collections
 import multiprocessing
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from hstu.batch import JaggedBatch
 from hstu.data.loader import DataLoader
 from hstu.errors import HSTUError
 
 _LOADER: DataLoader | None = None  # each worker's own copy
+_PREPARE: Callable | None = None
 
 
-def _start(loader: DataLoader) -> None:
-    global _LOADER
-    _LOADER = loader
+def _start(loader: DataLoader, prepare: Callable | None = None) -> None:
+    global _LOADER, _PREPARE
+    _LOADER, _PREPARE = loader, prepare
 
 
-def _batches_at(position: int) -> list[JaggedBatch]:
+def _batches_at(position: int):
     assert _LOADER is not None
-    return [_LOADER.batch_at(position, r) for r in _LOADER.ranks]
+    batches = [_LOADER.batch_at(position, r) for r in _LOADER.ranks]
+    return batches if _PREPARE is None else _PREPARE(batches)
 
 
 class WorkerLoader:
     """A `DataLoader`'s iterator with its batches built by `workers` spawned processes (the
-    source must pickle); `position` is, as the loader's, that of the next batch returned."""
+    source must pickle); `position` is, as the loader's, that of the next batch returned.
+    `prepare` (picklable, e.g. `hstu.pipeline.BatchPrep`): applied to each step's batches in
+    the worker, which then returns what it returns."""
 
-    def __init__(self, loader: DataLoader, workers: int, ahead: int = 2):
+    def __init__(
+        self, loader: DataLoader, workers: int, ahead: int = 2, prepare: Callable | None = None
+    ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.loader, self.position, self.workers = loader, loader.position, workers
         # spawn: the training process holds CUDA / XLA threads that a fork would copy broken
         context = multiprocessing.get_context("spawn")
         self._pool = ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_start, initargs=(loader,)
+            workers, mp_context=context, initializer=_start, initargs=(loader, prepare)
         )
         self._ahead = max(ahead, workers)
         self._submit_at = loader.position
@@ -62,7 +72,7 @@ class WorkerLoader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> list[JaggedBatch]:
+    def __next__(self):
         try:
             while len(self._pending) < self._ahead:
                 future = self._pool.submit(_batches_at, self._submit_at)

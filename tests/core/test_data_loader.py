@@ -93,6 +93,40 @@ def test_worker_processes_yield_the_loaders_batches_in_order(demo_cfg):
         broken.close()
 
 
+def test_worker_processes_prepare_the_batches_as_the_host_would(demo_cfg):
+    """With a `BatchPrep`, a worker returns the batches and their stats exactly as the host's
+    prefetch thread computed them; a batch the model's input check rejects raises from next()
+    with the host's message (before any collective of that batch)."""
+    from hstu.batch import ModelInputCheck
+    from hstu.data.workers import WorkerLoader
+    from hstu.pipeline import BatchPrep
+    from hstu.workload import HSTUCost
+
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    check = ModelInputCheck(demo_cfg.model, demo_cfg.data.max_seqlen)
+    prep = BatchPrep((0, 1), cost, demo_cfg.model.task, True, check)
+    source = source_from_config(demo_cfg)
+    want = DataLoader(source, 3, 2, [0, 1])
+    got = WorkerLoader(DataLoader(source, 3, 2, [0, 1]), workers=2, ahead=3, prepare=prep)
+    try:
+        for _ in range(4):
+            expected = prep(next(want))
+            batches, stats = next(got)
+            assert np.array_equal(stats, expected[1]) and stats.dtype == np.int64
+            for x, y in zip(expected[0], batches, strict=True):
+                assert x == y
+    finally:
+        got.close()
+    demo_cfg.model.num_items = 3  # every batch now holds item ids past the table
+    strict = BatchPrep((0,), cost, "ranking", True, ModelInputCheck(demo_cfg.model, 10**6))
+    broken = WorkerLoader(DataLoader(source, 3, 1, [0]), workers=1, prepare=strict)
+    try:
+        with pytest.raises(HSTUError, match="invalid batch on rank 0"):
+            next(broken)
+    finally:
+        broken.close()
+
+
 def test_a_worker_process_that_dies_is_named_by_next_instead_of_hanging(demo_cfg):
     """A worker killed from outside (the OOM killer's SIGKILL) fails the batches in flight:
     next() raises an HSTUError naming the signal, within seconds, instead of waiting for a
