@@ -162,8 +162,8 @@ def to_torch(batch: JaggedBatch) -> TorchBatch:
     """Host JaggedBatch -> TorchBatch of CPU tensors (to a GPU: `to_device`)."""
     values, lengths, per_key = _flat_ids(batch)
     dense = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.dense.items()}
-    lengths_t = torch.from_numpy(lengths)
-    return _torch_batch(batch, torch.from_numpy(values), lengths_t, lengths, per_key, dense)
+    lengths_t = torch.from_numpy(lengths)  # the host copy below stays the host's own
+    return _torch_batch(batch, torch.from_numpy(values), lengths_t, lengths.copy(), per_key, dense)
 
 
 def to_device(batch: JaggedBatch, device: torch.device | str) -> TorchBatch:
