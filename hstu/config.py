@@ -233,12 +233,19 @@ class TrainConfig:
         "torch on CUDA: replay the HSTU stack's forward and backward from CUDA graphs, one per "
         "token capacity (no effect in jax, whose step is one compiled program already)",
     )
+    graph_scope: str = _opt(
+        "auto",
+        "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "
+        "graph per shape where one rank holds replicated tables, else the HSTU stack; stack = "
+        "the stack only",
+    )
 
     def validate(self) -> None:
         p = "train."
         _positive(self, p, "steps", "lr", "log_every", "keep_checkpoints", "eps")
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
         _positive(self, p, "watchdog_s", "eval_every", allow_zero=True)
+        _one_of(p + "graph_scope", self.graph_scope, ("auto", "stack"))
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")

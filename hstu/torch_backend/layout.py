@@ -35,6 +35,34 @@ def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sample, np.arange(sample.size, dtype=np.int64) - starts[sample]
 
 
+def layout_arrays(contextual, items, candidates) -> dict[str, np.ndarray]:
+    """The layout's parts as host arrays (int64; the two counts int32) from each sample's
+    contextual, item and candidate counts (`[B]` each): see `TokenLayout`."""
+    c, n, k = (np.asarray(x, np.int64) for x in (contextual, items, candidates))
+    offsets = np.zeros(c.size + 1, np.int64)
+    np.cumsum(c + 2 * n + k, out=offsets[1:])
+    start = offsets[:-1]
+    s_c, p_c = _segments(c)
+    s_i, p_i = _segments(n)
+    s_k, p_k = _segments(k)
+    pos_item = start[s_i] + c[s_i] + 2 * p_i
+    pos_cand = start[s_k] + c[s_k] + 2 * n[s_k] + p_k
+    dest = np.concatenate([start[s_c] + p_c, pos_item, pos_item + 1, pos_cand])
+    inverse = np.empty_like(dest)
+    inverse[dest] = np.arange(dest.size, dtype=np.int64)  # one source row per token
+    s_t, p_t = _segments(np.maximum(n - 1, 0))
+    target_item = (np.cumsum(n) - n)[s_t] + p_t
+    return {
+        "offsets": offsets,
+        "pos_item": pos_item,
+        "pos_cand": pos_cand,
+        "inverse": inverse,
+        "target_item": target_item,
+        "num_contextual": c.astype(np.int32),
+        "num_candidates": k.astype(np.int32),
+    }
+
+
 @dataclass(frozen=True)
 class TokenLayout:
     """One int64 buffer: `offsets [B + 1] | pos_item [L] | pos_cand [K] | inverse [T] |
@@ -64,26 +92,12 @@ class TokenLayout:
         cls, contextual: np.ndarray, items: np.ndarray, candidates: np.ndarray
     ) -> TokenLayout:
         """From each sample's contextual, item and candidate counts (host ints, `[B]` each)."""
-        c, n, k = (np.asarray(x, np.int64) for x in (contextual, items, candidates))
-        b = c.size
-        offsets = np.zeros(b + 1, np.int64)
-        np.cumsum(c + 2 * n + k, out=offsets[1:])
-        start = offsets[:-1]
-        s_c, p_c = _segments(c)
-        s_i, p_i = _segments(n)
-        s_k, p_k = _segments(k)
-        pos_item = start[s_i] + c[s_i] + 2 * p_i
-        pos_cand = start[s_k] + c[s_k] + 2 * n[s_k] + p_k
-        dest = np.concatenate([start[s_c] + p_c, pos_item, pos_item + 1, pos_cand])
-        inverse = np.empty_like(dest)
-        inverse[dest] = np.arange(dest.size, dtype=np.int64)  # one source row per token
-        s_t, p_t = _segments(np.maximum(n - 1, 0))
-        target_item = (np.cumsum(n) - n)[s_t] + p_t
-        counts = np.concatenate([c, k]).astype(np.int32).view(np.int64)  # 2B int32 = B int64
-        parts = [offsets, pos_item, pos_cand, inverse, target_item, counts]
-        buffer = torch.from_numpy(np.concatenate(parts))
-        sizes = (pos_item.size, pos_cand.size, inverse.size, target_item.size)
-        return cls(buffer, b, *sizes, rows=b)
+        a = layout_arrays(contextual, items, candidates)
+        counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
+        names = ("offsets", "pos_item", "pos_cand", "inverse", "target_item")
+        buffer = torch.from_numpy(np.concatenate([*(a[n] for n in names), counts]))
+        sizes = (a["pos_item"].size, a["pos_cand"].size, a["inverse"].size, a["target_item"].size)
+        return cls(buffer, a["offsets"].size - 1, *sizes, rows=a["offsets"].size - 1)
 
     @classmethod
     def of_lengths_KB(cls, keys: list[str], lengths_KB: np.ndarray) -> TokenLayout | None:

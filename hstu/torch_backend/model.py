@@ -292,29 +292,46 @@ class HSTUModel(nn.Module):
 
     def _ranking_loss(self, z, seq, denom):
         logits = self._candidate_logits(z, seq)
-        bits = torch.arange(self.cfg.num_tasks, device=z.device)
-        labels = ((seq["ids"]["label"].values()[:, None] >> bits) & 1).to(logits.dtype)
-        loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / denom
-        return loss, {}
+        bce = self.ranking_terms(logits, seq["ids"]["label"].values())
+        return bce.sum() / denom, {}
+
+    def ranking_terms(self, logits: torch.Tensor, label_bits: torch.Tensor) -> torch.Tensor:
+        """`[rows, num_tasks]` binary cross-entropy of each candidate's logits against the
+        task bits of its label (bit t: task t)."""
+        bits = torch.arange(self.cfg.num_tasks, device=logits.device)
+        labels = ((label_bits[:, None] >> bits) & 1).to(logits.dtype)
+        return F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
 
     def _retrieval_loss(self, z, seq, denom):
         r = self.cfg.num_negatives
         item_idx = seq["target_item"]  # event l of its sample, for l < L - 1 (layout.py)
         num_targets = item_idx.numel()  # negatives: (L - 1) * R per sample (checked)
-        query = F.normalize(z.index_select(0, seq["pos_item"][item_idx] + 1), dim=-1, eps=1e-6)
         emb, ids = seq["emb"], seq["ids"]
-        pos = F.normalize(emb["item"].index_select(0, item_idx + 1), dim=-1, eps=1e-6)
-        neg = F.normalize(emb["negative"].reshape(num_targets, r, z.shape[1]), dim=-1, eps=1e-6)
+        loss, hit, ndcg = self.retrieval_terms(
+            z.index_select(0, seq["pos_item"][item_idx] + 1),
+            emb["item"].index_select(0, item_idx + 1),
+            emb["negative"].reshape(num_targets, r, z.shape[1]),
+            ids["item"].values().index_select(0, item_idx + 1),
+            ids["negative"].values().reshape(num_targets, r),
+        )
+        return loss.sum() / denom, {f"hr@{TOP_K}": hit.sum(), f"ndcg@{TOP_K}": ndcg.sum()}
+
+    def retrieval_terms(self, z_query, pos, neg, pos_ids, neg_ids):
+        """Per target: (sampled-softmax loss, hit@TOP_K, NDCG@TOP_K), from the encoder output
+        at its query token `[N, D]`, the positive item's and the negatives' rows `[N, D]`,
+        `[N, R, D]` and their ids `[N]`, `[N, R]` (a negative equal to the positive is
+        masked out)."""
+        query = F.normalize(z_query, dim=-1, eps=1e-6)
+        pos = F.normalize(pos, dim=-1, eps=1e-6)
+        neg = F.normalize(neg, dim=-1, eps=1e-6)
         temp = self.cfg.retrieval_temperature
         pos_logit = (query * pos).sum(-1, keepdim=True) / temp
         neg_logits = torch.einsum("td,trd->tr", query, neg) / temp
-        pos_ids = ids["item"].values().index_select(0, item_idx + 1)
-        same = ids["negative"].values().reshape(num_targets, r) == pos_ids[:, None]
-        neg_logits = neg_logits.masked_fill(same, float("-inf"))
+        neg_logits = neg_logits.masked_fill(neg_ids == pos_ids[:, None], float("-inf"))
         logits = torch.cat([pos_logit, neg_logits], dim=1)
-        loss = (torch.logsumexp(logits, dim=1) - logits[:, 0]).sum() / denom
+        loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
         with torch.no_grad():
             rank = (neg_logits > pos_logit).sum(dim=1)
             hit = rank < TOP_K
-            ndcg = torch.where(hit, 1.0 / torch.log2(rank.to(z.dtype) + 2.0), 0.0)
-        return loss, {f"hr@{TOP_K}": hit.to(z.dtype).sum(), f"ndcg@{TOP_K}": ndcg.sum()}
+            ndcg = torch.where(hit, 1.0 / torch.log2(rank.to(z_query.dtype) + 2.0), 0.0)
+        return loss, hit.to(z_query.dtype), ndcg

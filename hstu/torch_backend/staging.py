@@ -44,15 +44,21 @@ class PinnedStaging:
             self.allocations += 1
         return i, buf
 
-    def copy(self, arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    def copy(
+        self, arrays: Sequence[np.ndarray], device: torch.device, out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """`arrays` (int64-castable) on `device`, each a view of one transfer, issued on the
-        current stream without blocking the host."""
+        current stream without blocking the host; into `out` (int64 on `device`, exactly
+        their total size) when given, e.g. a CUDA graph's static input."""
         sizes = [int(np.size(a)) for a in arrays]
         total = sum(sizes)
         i, buf = self._slot(total)
         host = buf[:total]
         pack(arrays, host.numpy())
-        flat = host.to(device, non_blocking=True)
+        if out is None:
+            flat = host.to(device, non_blocking=True)
+        else:
+            flat = out.copy_(host, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self.events[i] = event

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hstu import capacity, trainer
 from hstu.capacity import CapacityPolicy
 from hstu.data import source_from_config
+from hstu.errors import HSTUError
 from hstu.params import init_params
 from hstu.pipeline import STAT_LOSS_TOKENS
 from hstu.torch_backend import collectives
@@ -37,6 +38,7 @@ from hstu.torch_backend.model import HSTUModel
 from hstu.torch_backend.sharding import shard_tables
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.torch_backend.state import make_optimizer, rank_seed
+from hstu.torch_backend.step_graphs import StepGraphs
 from hstu.torch_backend.timing import time_forward_backward
 
 METRIC_SLOTS = 4  # page-locked buffers for the scalars of steps not yet fetched
@@ -82,16 +84,31 @@ class TorchBackend(TorchShuffler):
         self._eval_model: HSTUModel | None = None  # fused tables: rank 0's evaluation copy
         self._metric_slots: list[torch.Tensor | None] = [None] * METRIC_SLOTS
         self._metric_next = 0
+        self.step_graphs: StepGraphs | None = None
 
-    def use_cuda_graphs(self, policy: CapacityPolicy) -> None:
-        """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities."""
-        check_cuda_graphs(self.cfg, self.device.type)
-        self.model.graphed = GraphedStack(self.model, policy, self.cfg.data.max_seqlen)
+    def use_cuda_graphs(self, policy: CapacityPolicy, capture: bool = True) -> None:
+        """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities, and
+        with `train.graph_scope=auto` on one rank with replicated tables the whole step
+        (step_graphs.py; the stack's graphs then serve the steps it leaves to the eager path
+        and the probes). `capture=False`: the padded steps run eagerly (CPU tests)."""
+        if capture:
+            check_cuda_graphs(self.cfg, self.device.type)
+        bound = self.cfg.data.max_seqlen
+        self.model.graphed = GraphedStack(self.model, policy, bound, capture=capture)
+        if self.cfg.train.graph_scope == "auto" and self.world_size == 1 and self.tables is None:
+            self.step_graphs = StepGraphs(
+                self.model, self.optimizer, self.params, policy, bound, capture=capture,
+                max_candidates=self.cfg.data.max_candidates,
+            )  # fmt: skip
 
     def capacity_of(self, num_tokens: int) -> int:
         """The tokens a rank holding `num_tokens` computes (its graph's capacity)."""
         graphed = self.model.graphed
         return graphed.policy.capacity(max(num_tokens, 1)) if graphed is not None else num_tokens
+
+    def _num_graphs(self) -> int:
+        stack = self.model.graphed.num_graphs if self.model.graphed is not None else 0
+        return stack + (self.step_graphs.num_graphs if self.step_graphs is not None else 0)
 
     def annotate(self, name: str):
         """A named host range in a torch.profiler trace; nothing (not even the ~6 us of a
@@ -114,6 +131,21 @@ class TorchBackend(TorchShuffler):
         marks = [] if self.device.type == "cuda" else None
         self._mark(marks)
         self.model.train()
+        if self.step_graphs is not None:
+            done = self.step_graphs.step(batch, global_loss_tokens)
+            self._graphed_step = done is not None
+            if done is not None:  # forward, backward and the update, replayed from a graph
+                self._mark(marks)
+                scalars, names = done
+                return {
+                    "scalars": scalars,
+                    "names": names,
+                    "global_loss_tokens": global_loss_tokens,
+                    "marks": marks,
+                    "phases": ("step",),
+                    "updated": True,
+                    "num_compiles": self._num_graphs(),
+                }
         self.buckets.start()
         loss, sums = self.model(batch, global_loss_tokens)
         self._mark(marks)
@@ -127,7 +159,7 @@ class TorchBackend(TorchShuffler):
             # graphs captured by this rank so far, summed over ranks by the same all-reduce: a
             # step in which any rank captures waits for it on every rank, so every rank's
             # metrics must see the count rise (`hstu.metrics.timed_rows` leaves such steps out)
-            graphs = float(self.model.graphed.num_graphs)
+            graphs = float(self._num_graphs())
             parts.append(torch.full((1,), graphs, device=loss.device))
             names.append("num_compiles")
         scalars = torch.cat(parts)
@@ -140,11 +172,17 @@ class TorchBackend(TorchShuffler):
             "names": [*names, "grad_norm"],
             "global_loss_tokens": global_loss_tokens,
             "marks": marks,
+            "phases": ("forward", "backward", "grad_reduce", "optimizer"),
         }
 
     def grads(self) -> dict[str, np.ndarray]:
         """Reduced gradients by core parameter name (between forward_backward and the step);
         sharded tables (updated inside backward) have none."""
+        if getattr(self, "_graphed_step", False):
+            raise HSTUError(
+                "grads(): the last step ran from a step graph, which consumes its gradients "
+                "inside the graph; set train.graph_scope=stack to read them"
+            )
         return {
             name: (p.grad if p.grad is not None else torch.zeros_like(p))
             .detach()
@@ -155,11 +193,12 @@ class TorchBackend(TorchShuffler):
         }
 
     def optimizer_step(self, handle: dict) -> dict:
-        self.optimizer.step()
-        if self.tables is not None:
-            self.tables.step()
-        self._mark(handle["marks"])
-        self.optimizer.zero_grad(set_to_none=True)
+        if not handle.get("updated"):  # a step graph has applied the update already
+            self.optimizer.step()
+            if self.tables is not None:
+                self.tables.step()
+            self._mark(handle["marks"])
+            self.optimizer.zero_grad(set_to_none=True)
         scalars = handle["scalars"]
         if self.device.type == "cuda":
             # Copy into pinned memory and mark the point: `fetch_metrics` waits for this step
@@ -187,9 +226,10 @@ class TorchBackend(TorchShuffler):
     def fetch_metrics(self, pending: dict) -> dict[str, float]:
         if pending["done"] is not None:
             pending["done"].synchronize()
-        self._last_marks = pending["marks"]
+        self._last_marks = pending["marks"], pending["phases"]
         values = dict(zip(pending["names"], pending["scalars"].tolist(), strict=True))
-        graphs = values.pop("num_compiles", None)  # over all ranks (JAX: programs compiled)
+        # over all ranks (JAX: programs compiled); a step graph's count is the host's (one rank)
+        graphs = values.pop("num_compiles", pending.get("num_compiles"))
         denom = max(int(pending["global_loss_tokens"]), 1)
         per_target = set(values) - {"loss", "grad_norm"}
         out = {k: (v / denom if k in per_target else v) for k, v in values.items()}
@@ -203,8 +243,7 @@ class TorchBackend(TorchShuffler):
         `device_s`: this rank's forward, backward, gradient reduction and update, from the
         events recorded inside the step. `compute_s_before` / `_after`: every rank's forward +
         backward of its batch as loaded and as balanced, each run alone on its device."""
-        marks = getattr(self, "_last_marks", None)
-        names = ("forward", "backward", "grad_reduce", "optimizer")
+        marks, names = getattr(self, "_last_marks", (None, ()))
         device_s = (
             {n: a.elapsed_time(b) / 1e3 for n, a, b in zip(names, marks, marks[1:], strict=False)}
             if marks and phases

@@ -1,0 +1,384 @@
+"""The whole torch training step as CUDA graphs (`train.cuda_graphs`, `train.graph_scope=auto`
+on one rank with replicated tables).
+
+With the HSTU stack alone in graphs (graphs.py) the batch-8 step of `bench_upstream` was still
+bound by the host: ~7.5 ms per step of Python dispatch around the stack (the lookups and the
+token layout, the loss, autograd walking ~100 nodes, the gradient norm, AdamW) against ~6.5 ms
+of kernels (docs/BENCHMARKS.md, "the host's share of the batch-8 step"). Here everything from
+the embedding lookups to the optimizer update is one graph per shape: a step is a few copies
+into the graph's static inputs and one replay.
+
+Static shapes:
+
+* tokens: padded to a capacity of the run's `hstu.capacity` policy, as graphs.py pads them.
+  The lookups read the ids in source order (`cat(contextual, item, action, candidate)`, which
+  holds exactly one id per token) at every position of the capacity: each position reads the
+  three tables and keeps the row of its own (ids of other tables' positions read row 0 and
+  the `where` gives them no gradient). The token layout's `inverse` then places them;
+  padding positions map to themselves and lie past `offsets[-1]`, so no sample and no loss
+  reads them, and their gradient is exactly zero.
+* loss rows (ranking: candidates; retrieval: targets), masked by the real count: a bound fixed
+  by the token capacity and the rows (`loss_rows_capacity`), so that the loss adds no shapes
+  of its own: retrieval scores at most one target per two tokens (an item and its action),
+  ranking at most `data.max_candidates` per row. A batch past that bound (a source whose
+  samples exceed the config's) pads to the next power of two instead.
+* one graph per (token capacity, rows, loss rows); MAX_GRAPHS at most, then eager steps.
+
+The sizes that change from step to step (the key boundaries in source order, the real token
+and loss-row counts, the global loss-token count) are int64 device scalars in a header of the
+static input: the graph computes its masks and the loss's denominator from them.
+
+The update: the run's fused AdamW, made capturable (its step count on the device), with its
+state initialised before the first capture (`_init_state`: a step at learning rate 0 on zero
+gradients, then the count reset, which leaves every parameter and moment as it was). Every
+parameter is updated every step as in the eager step: a parameter the loss does not reach
+gets a zero gradient inside the graph (`GradBuckets.finish` does the same eagerly).
+
+Memory: the graphs share one pool. Everything a replay produces is consumed inside it (the
+gradients by the norm and AdamW) except its scalars, which the backend copies out before the
+next replay on the same stream; the parameters, the optimizer state and the static inputs
+are allocated outside the pool. So a capture may reuse what another graph freed, and the
+gradients are not kept between steps (`.grad` is None after a replayed step).
+
+The warm-up before a capture runs forward and backward on a side stream with the first batch
+of its shape (compiles the Triton kernels, sizes cuBLAS's workspace) and discards the
+gradients: it never updates the parameters. Without CUDA (`capture=False`, the CPU tests) the
+same padded step runs eagerly, which checks the padding and masks against the eager model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hstu.capacity import CapacityPolicy
+from hstu.torch_backend.batch import TorchBatch
+from hstu.torch_backend.layout import layout_arrays
+from hstu.torch_backend.model import TOP_K
+from hstu.torch_backend.staging import staging
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 32  # beyond this, a new shape runs the eager step
+# the header of the static input: int64 scalars the graph reads
+HEADER = ("item_start", "action_start", "candidate_start", "tokens", "loss_rows", "loss_tokens")
+HEADER_SIZE = 8
+
+
+def loss_rows_capacity(
+    real: int, capacity: int, rows: int, task: str, max_candidates: int | None
+) -> int:
+    """The loss rows a graph holds for `real` ones at a token capacity and row count: the
+    task's bound (module docstring), or the next power of two past `real` beyond it."""
+    bound = capacity // 2 if task == "retrieval" else min(capacity, rows * (max_candidates or 0))
+    if real <= bound:
+        return max(bound, 1)
+    return 1 << max(int(real) - 1, 0).bit_length()
+
+
+def host_inputs(
+    lengths: dict[str, np.ndarray], capacity: int, loss_rows: int, task: str, loss_tokens: int
+) -> np.ndarray:
+    """The host-known part of a graph's static input (int64, one transfer): `header [8] |
+    offsets [R + 1] | num_contextual, num_candidates as int32 [2R] | inverse [C] | loss_a [Lc]
+    | loss_b [Lc]`, from each row's contextual / item / candidate counts.
+
+    Ranking: `loss_a` is each candidate's token. Retrieval: `loss_a` is each target's query
+    token (the action token of event l), `loss_b` the source position of the item it scores
+    (event l + 1). Padding: zeros (tokens and positions that exist; masked by the header)."""
+    c, n, k = (np.asarray(lengths[key], np.int64) for key in ("contextual", "item", "candidate"))
+    a = layout_arrays(c, n, k)
+    tokens = int(a["offsets"][-1])
+    n_ctx, n_item = int(c.sum()), int(n.sum())
+    if task == "ranking":
+        loss_a, loss_b = a["pos_cand"], np.zeros(0, np.int64)
+    else:
+        loss_a = a["pos_item"][a["target_item"]] + 1
+        loss_b = n_ctx + a["target_item"] + 1
+    real = loss_a.size
+    header = np.zeros(HEADER_SIZE, np.int64)
+    header[: len(HEADER)] = (n_ctx, n_ctx + n_item, n_ctx + 2 * n_item, tokens, real, loss_tokens)
+    counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
+    inverse = np.concatenate([a["inverse"], np.arange(tokens, capacity, dtype=np.int64)])
+    return np.concatenate(
+        [
+            header,
+            a["offsets"],
+            counts,
+            inverse,
+            np.pad(loss_a, (0, loss_rows - real)),
+            np.pad(loss_b, (0, loss_rows - loss_b.size)),
+        ]
+    )
+
+
+@dataclass
+class _Static:
+    """One graph's static inputs (allocated outside the graph pool)."""
+
+    ints: torch.Tensor  # host_inputs' layout
+    src: torch.Tensor  # [C] ids in source order
+    time: torch.Tensor | None  # [C] timestamps in source order (time bias only)
+    extra: torch.Tensor  # ranking: label bits [Lc]; retrieval: negative ids [Lc * R]
+    rows: int
+    loss_rows: int
+
+    @property
+    def capacity(self) -> int:
+        return self.src.numel()
+
+    def views(self) -> dict[str, torch.Tensor]:
+        r, c, lc = self.rows, self.capacity, self.loss_rows
+        sizes = [HEADER_SIZE, r + 1, r, c, lc, lc]
+        header, offsets, counts, inverse, loss_a, loss_b = torch.split(self.ints, sizes)
+        counts = counts.view(torch.int32)
+        return {
+            **dict(zip(HEADER, header.unbind(), strict=False)),
+            "offsets": offsets,
+            "num_contextual": counts[:r],
+            "num_candidates": counts[r:],
+            "inverse": inverse,
+            "loss_a": loss_a,
+            "loss_b": loss_b,
+        }
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph, or None: the padded step runs eagerly (no CUDA)
+    static: _Static
+    out: torch.Tensor | None  # the replay's scalars: loss, metric sums, gradient norm
+
+
+class StepGraphs:
+    """`step(tb, global_loss_tokens) -> (scalars, names)` or None (run the eager step)."""
+
+    def __init__(
+        self,
+        model,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        policy: CapacityPolicy,
+        max_seqlen: int,
+        capture: bool = True,
+        warmup: int = 3,
+        max_candidates: int | None = None,
+    ):
+        """`max_candidates`: a bound on a row's candidates (`data.max_candidates`; ranking)."""
+        self.model, self.optimizer, self.params = model, optimizer, list(params)
+        self.max_candidates = max_candidates
+        self.policy, self.max_seqlen = policy, max_seqlen
+        self.capture, self.warmup = capture, warmup
+        cfg = model.cfg
+        self.task, self.num_negatives = cfg.task, cfg.num_negatives
+        self.uses_time = any(layer.rab_time is not None for layer in model.layers)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.eager_steps = 0  # steps the eager path ran (a sample past the bound, a new shape
+        # past MAX_GRAPHS, an empty batch)
+        self.names = ["loss"] + (
+            [] if self.task == "ranking" else [f"{m}@{TOP_K}" for m in ("hr", "ndcg")]
+        )
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    # ------------------------------------------------------------------ per step
+    def step(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, list] | None:
+        """Replay (capturing first if new) the step of `tb`: forward, backward, gradient norm
+        and AdamW. Returns the step's scalars `[loss, metric sums..., grad_norm]` and their
+        names, or None when this batch must take the eager step (nothing done)."""
+        if tb.host_lengths is None or tb.max_seqlen > self.max_seqlen:
+            self.eager_steps += 1
+            return None
+        keys = tb.keys
+        lengths = {k: tb.host_lengths[keys.index(k)] for k in ("contextual", "item", "candidate")}
+        tokens = int(sum(lengths[k].sum() for k in lengths) + lengths["item"].sum())
+        if self.task == "ranking":
+            real = int(lengths["candidate"].sum())
+        else:
+            real = int(np.maximum(lengths["item"] - 1, 0).sum())
+        rows = tb.batch_size
+        capacity = self.policy.capacity(max(tokens, 1))
+        lc = loss_rows_capacity(real, capacity, rows, self.task, self.max_candidates)
+        key = (capacity, rows, lc)
+        if tokens == 0 or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
+            self.eager_steps += 1
+            return None
+        entry = self.graphs.get(key)
+        static = entry.static if entry is not None else self._static(*key)
+        self._fill(static, tb, lengths, global_loss_tokens)
+        if entry is None:
+            entry = self.graphs[key] = self._make(static)
+        if entry.graph is None:
+            return self._run(static), self.names + ["grad_norm"]
+        entry.graph.replay()  # a new graph too: its capture only recorded the step
+        return entry.out, self.names + ["grad_norm"]
+
+    def _static(self, capacity: int, rows: int, loss_rows: int) -> _Static:
+        device = self.params[0].device
+        size = HEADER_SIZE + 2 * rows + 1 + capacity + 2 * loss_rows
+        extra = loss_rows * (1 if self.task == "ranking" else self.num_negatives)
+
+        def zeros(n):
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        time = zeros(capacity) if self.uses_time else None
+        return _Static(zeros(size), zeros(capacity), time, zeros(extra), rows, loss_rows)
+
+    def _fill(self, s: _Static, tb: TorchBatch, lengths: dict, global_loss_tokens: int) -> None:
+        """The batch into the static inputs: the host part in one transfer, the ids (and times,
+        labels or negatives) by one device copy each."""
+        host = host_inputs(lengths, s.capacity, s.loss_rows, self.task, global_loss_tokens)
+        device = s.ints.device
+        if device.type == "cuda":
+            staging(device).copy([host], device, out=s.ints)
+        else:
+            s.ints.copy_(torch.from_numpy(host))
+        values, keys = tb.kjt.values(), tb.keys
+        bounds = tb.kjt.offset_per_key()
+
+        def part(key):
+            i = keys.index(key)
+            return values[bounds[i] : bounds[i + 1]]
+
+        src = [part(k) for k in ("contextual", "item", "action", "candidate")]
+        tokens = sum(v.numel() for v in src)
+        torch.cat(src, out=s.src[:tokens])
+        if s.time is not None:
+            n_ctx, item_time = src[0].numel(), part("item_time")
+            s.time[:n_ctx].zero_()
+            torch.cat([item_time, item_time, part("candidate_time")], out=s.time[n_ctx:tokens])
+        extra = part("label") if self.task == "ranking" else part("negative")
+        s.extra[: extra.numel()].copy_(extra)
+
+    # ------------------------------------------------------------------ the padded step
+    def loss(self, s: _Static) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of the static inputs (local sum / global loss tokens) and the metric sums:
+        the eager model's (model.py), over padded shapes."""
+        model, v = self.model, s.views()
+        cap, device = s.capacity, s.src.device
+        pos = torch.arange(cap, device=device)
+        ids = torch.where(pos < v["tokens"], s.src, 0)
+        ctx = pos < v["item_start"]
+        act = (pos >= v["action_start"]) & (pos < v["candidate_start"])
+        item_ids = torch.where(ctx | act, 0, ids)
+        tables = model.embedding.embeddings
+        real_rows = torch.arange(s.loss_rows, device=device) < v["loss_rows"]
+        if self.task == "ranking":
+            e_item = F.embedding(item_ids, tables["item"].weight)
+        else:  # the negatives from the same lookup: one dense gradient of the table
+            real_neg = real_rows[:, None].expand(-1, self.num_negatives).reshape(-1)
+            neg_ids = torch.where(real_neg, s.extra, 0)
+            rows = F.embedding(torch.cat([item_ids, neg_ids]), tables["item"].weight)
+            e_item, e_neg = rows.split([cap, neg_ids.numel()])
+        e_ctx = F.embedding(torch.where(ctx, ids, 0), tables["contextual"].weight)
+        e_act = F.embedding(torch.where(act, ids, 0), tables["action"].weight)
+        e = torch.where(ctx[:, None], e_ctx, torch.where(act[:, None], e_act, e_item))
+        inverse = v["inverse"]
+        seq = {
+            "offsets": v["offsets"],
+            "max_seqlen": self.max_seqlen,
+            "num_contextual": v["num_contextual"],
+            "num_candidates": v["num_candidates"],
+            "timestamps": None if s.time is None else s.time.index_select(0, inverse),
+        }
+        z = model.stack(e.index_select(0, inverse).to(model.compute_dtype), seq)
+        denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
+        if self.task == "ranking":
+            logits = model._candidate_logits(z, {"pos_cand": v["loss_a"]})
+            bce = model.ranking_terms(logits, s.extra)
+            return torch.where(real_rows[:, None], bce, 0.0).sum() / denom, {}
+        r, item_src = self.num_negatives, v["loss_b"]
+        loss, hit, ndcg = model.retrieval_terms(
+            z.index_select(0, v["loss_a"]),
+            e_item.index_select(0, item_src),
+            e_neg.reshape(s.loss_rows, r, -1),
+            ids.index_select(0, item_src),
+            neg_ids.reshape(s.loss_rows, r),
+        )
+        loss = torch.where(real_rows, loss, 0.0).sum() / denom
+        sums = [torch.where(real_rows, m, 0.0).sum() for m in (hit, ndcg)]
+        return loss, dict(zip(self.names[1:], sums, strict=True))
+
+    def _run(self, s: _Static) -> torch.Tensor:
+        """Forward, backward, the gradient norm and the update; the scalars `[loss, sums...,
+        norm]` (what a graph captures)."""
+        loss, sums = self.loss(s)
+        loss.backward()
+        for p in self.params:
+            if p.grad is None:  # not reached by the loss: a zero gradient, as the eager step
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        self.optimizer.step()
+        parts = [loss.detach(), *sums.values(), norm]
+        out = torch.stack([t.float() for t in parts])
+        if self.capture:  # the graph's gradients live in the shared pool; see the docstring
+            for p in self.params:
+                p.grad = None
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    # ------------------------------------------------------------------ capture
+    def _make(self, s: _Static) -> _Graph:
+        if not self.capture:
+            return _Graph(None, s, None)
+        log.info(
+            "capturing the training step: %d tokens, %d rows, %d loss rows",
+            s.capacity,
+            s.rows,
+            s.loss_rows,
+        )
+        self._init_state()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                for p in self.params:
+                    p.grad = None
+                loss, _ = self.loss(s)
+                loss.backward()
+                del loss
+        torch.cuda.current_stream().wait_stream(side)
+        for p in self.params:
+            p.grad = None
+        for group in self.optimizer.param_groups:
+            group["capturable"] = True  # the step count stays on the device
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(s)
+        return _Graph(graph, s, out)
+
+    def _init_state(self) -> None:
+        """AdamW's state for every parameter that has none, created outside the graph (a
+        capture would record its zero fills, resetting the moments at every replay): a step
+        at learning rate 0 on zero gradients of those parameters only, then their step count
+        back to 0. Parameters and moments stay exactly as they were (0 * anything, plus zero
+        moments); parameters with state (a resumed run, eager steps) are not touched."""
+        state = self.optimizer.state
+        fresh = [p for p in self.params if not state.get(p)]
+        if not fresh:
+            return
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in self.params:
+            p.grad = None
+        for p in fresh:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p in fresh:
+            p.grad = None
+            if torch.is_tensor(state[p]["step"]):
+                state[p]["step"].zero_()
+            else:
+                state[p]["step"] = 0

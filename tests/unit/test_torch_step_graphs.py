@@ -1,0 +1,197 @@
+"""`train.graph_scope=auto`: the whole torch step (lookups, loss, backward, norm, AdamW) over
+padded static inputs gives the eager step's loss, metrics, gradients and update. On the CPU the
+padded step runs eagerly (`capture=False`); on a GPU the captured graphs replay it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchrec")
+
+from test_torch_model import _cfg  # noqa: E402  (the small model with every bias)
+
+from hstu.capacity import CapacityPolicy  # noqa: E402
+from hstu.errors import HSTUError  # noqa: E402
+from hstu.params import init_params  # noqa: E402
+from hstu.pipeline import loss_tokens  # noqa: E402
+from hstu.testing import make_global_batch  # noqa: E402
+from hstu.torch_backend.batch import to_torch  # noqa: E402
+from hstu.torch_backend.model import HSTUModel  # noqa: E402
+from hstu.torch_backend.state import make_optimizer  # noqa: E402
+from hstu.torch_backend.step_graphs import (  # noqa: E402
+    HEADER_SIZE,
+    StepGraphs,
+    host_inputs,
+    loss_rows_capacity,
+)
+
+
+def test_host_inputs_pad_the_layout_and_count_the_real_rows():
+    lengths = {"contextual": np.array([1, 2]), "item": np.array([2, 1]), "candidate": [1, 3]}
+    # sample 0: c0 | i0 a0 i1 a1 | k0 (6 tokens); sample 1: c0 c1 | i0 a0 | k0 k1 k2 (7 tokens)
+    ranking = host_inputs(lengths, capacity=16, loss_rows=64, task="ranking", loss_tokens=9)
+    header = ranking[:HEADER_SIZE]
+    # source order: contextual (3) | items (3) | actions (3) | candidates (4)
+    assert header[:6].tolist() == [3, 6, 9, 13, 4, 9]
+    rows = 2
+    offsets = ranking[HEADER_SIZE : HEADER_SIZE + rows + 1]
+    assert offsets.tolist() == [0, 6, 13]
+    counts = ranking[HEADER_SIZE + rows + 1 : HEADER_SIZE + 2 * rows + 1].view(np.int32)
+    assert counts.tolist() == [1, 2, 1, 3]  # num_contextual, then num_candidates
+    start = HEADER_SIZE + 2 * rows + 1
+    inverse = ranking[start : start + 16]
+    # token 1 is sample 0's first item (source row 3), token 2 its action (source row 6)
+    assert inverse[:3].tolist() == [0, 3, 6] and inverse[13:].tolist() == [13, 14, 15]
+    assert sorted(inverse[:13].tolist()) == list(range(13))
+    pos_cand = ranking[start + 16 : start + 16 + 64]
+    assert pos_cand[:4].tolist() == [5, 10, 11, 12] and not pos_cand[4:].any()
+    retrieval = host_inputs(lengths, capacity=16, loss_rows=64, task="retrieval", loss_tokens=1)
+    assert retrieval[4] == 1  # one target: sample 0's first event scores its second item
+    query, item = retrieval[start + 16], retrieval[start + 16 + 64]
+    assert (query, item) == (2, 4)  # the action token of event 0; the source row of item 1
+    # the bound of the capacity and rows, whatever the batch; past it, a power of two
+    assert loss_rows_capacity(1, 96, 8, "retrieval", None) == 48
+    assert loss_rows_capacity(7, 96, 8, "ranking", 3) == 24
+    assert loss_rows_capacity(25, 96, 8, "ranking", 3) == 32
+    assert loss_rows_capacity(3, 16, 8, "ranking", 3) == 16
+
+
+def _model(cfg):
+    model = HSTUModel(cfg.model)
+    model.load_params(init_params(cfg.model, seed=0))
+    model.train()
+    return model
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_the_padded_step_gives_the_eager_loss_metrics_and_gradients(task):
+    """One static input refilled with a batch of fewer tokens than the last (stale ids, times,
+    labels or negatives in the padding), every bias on: the eager model's loss, metric sums
+    and gradients each time."""
+    cfg = _cfg(task)
+    model = _model(cfg)
+    graphs = StepGraphs(model, None, list(model.parameters()), CapacityPolicy((64,)), 64, False)
+    static, seen = None, []
+    batches = [make_global_batch(cfg, 8, (4,), first_id=i)[0] for i in (0, 3, 9)]
+    for batch in sorted(batches, key=lambda b: -int(b.seq_lengths().sum()))[::2]:
+        glt = int(loss_tokens(batch, task).sum()) + 3  # a global count: other ranks' too
+        tb = to_torch(batch).strip_padding()
+        model.zero_grad(set_to_none=True)
+        want_loss, want_sums = model(tb, glt)
+        want_loss.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        keys = ("contextual", "item", "candidate")
+        lengths = {k: tb.host_lengths[tb.keys.index(k)] for k in keys}
+        static = static or graphs._static(64, tb.batch_size, 64)
+        graphs._fill(static, tb, lengths, glt)
+        loss, sums = graphs.loss(static)
+        loss.backward()
+        seen.append(int(static.views()["tokens"]))
+        assert float(loss.detach()) == pytest.approx(float(want_loss), rel=1e-6)
+        assert list(sums) == list(want_sums)
+        for name, value in want_sums.items():
+            assert float(sums[name]) == pytest.approx(float(value), abs=1e-6), name
+        for name, p in model.named_parameters():
+            got = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert seen[0] > seen[1], seen  # the second batch left stale values in the padding
+
+
+def _backend(cfg, step_graphs: bool):
+    from hstu.torch_backend.train_step import TorchBackend
+
+    torch.manual_seed(0)
+    backend = TorchBackend(cfg, 0, 1, "cpu")
+    if step_graphs:
+        backend.use_cuda_graphs(CapacityPolicy((48, 96)), capture=False)
+    return backend
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_the_backend_trains_from_step_graphs_as_the_eager_step(task):
+    """Four steps across two capacities and a batch past the length bound (eager) through
+    `TorchBackend`: the metrics, the step-graph count and the updated parameters as the eager
+    backend's; `grads()` after a graphed step is a clear error."""
+    cfg = _cfg(task, "model.dropout=0.0", "train.weight_decay=0.1")
+    runs = {}
+    for graphed in (False, True):
+        backend = _backend(cfg, graphed)
+        metrics = []
+        for i, real in enumerate((2, 6, 2, 5)):
+            batch = make_global_batch(cfg, cfg.data.batch_size, (real,), first_id=7 * i)[0]
+            if i == 3 and graphed:
+                backend.step_graphs.max_seqlen = 1  # every sample past the bound: eager
+            glt = int(loss_tokens(batch, task).sum())
+            handle = backend.forward_backward(backend.to_device([batch]), glt)
+            if graphed and i == 0:
+                with pytest.raises(HSTUError, match="graph_scope=stack"):
+                    backend.grads()
+            metrics.append(backend.fetch_metrics(backend.optimizer_step(handle)))
+        runs[graphed] = (metrics, backend.model.export_params(), backend)
+    (want, want_p, _), (got, got_p, backend) = runs[False], runs[True]
+    assert len(backend.step_graphs.graphs) == 2, list(backend.step_graphs.graphs)
+    assert backend.step_graphs.eager_steps == 1
+    # the eager step of the last batch runs the stack from its own graphs (one more)
+    assert [m["num_compiles"] for m in got] == [1, 2, 2, 3]
+    for w, g in zip(want, got, strict=True):
+        for name, value in w.items():
+            assert g[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    # AdamW magnifies rounding-sized gradient differences of near-zero elements up to a whole
+    # step (lr): held to 5 % of it per step; a stale input or a missed update moves whole steps
+    for name, value in want_p.items():
+        assert np.abs(got_p[name] - value).max() < 4 * 0.05 * cfg.train.lr, name
+
+
+def test_init_state_leaves_parameters_and_moments_as_they_were():
+    cfg = _cfg("ranking")
+    model = _model(cfg)
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, cfg.train)
+    before = model.export_params()
+    graphs = StepGraphs(model, optimizer, params, CapacityPolicy((64,)), 64, False)
+    graphs._init_state()
+    after = model.export_params()
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value, err_msg=name)
+    for p in params:
+        state = optimizer.state[p]
+        assert float(state["step"]) == 0
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+        assert p.grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_captured_step_graphs_train_as_the_eager_step(task):
+    """On a GPU: six steps alternating between two capacities (graphs sharing one pool,
+    replayed out of capture order) from captured step graphs, against the eager step: the
+    same losses, metrics and parameters (to rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    from hstu.torch_backend.train_step import TorchBackend
+
+    cfg = _cfg(task, "model.attention=kernel", "model.dropout=0.0", "train.weight_decay=0.1")
+    runs = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        backend = TorchBackend(cfg, 0, 1, "cuda")
+        if graphed:
+            backend.use_cuda_graphs(CapacityPolicy((32, 128)))
+        metrics = []
+        for step in range(6):
+            real = (2, 8)[step % 2]
+            batch = make_global_batch(cfg, cfg.data.batch_size, (real,), first_id=8 * step)[0]
+            glt = int(loss_tokens(batch, task).sum())
+            handle = backend.forward_backward(backend.to_device([batch]), glt)
+            metrics.append(backend.fetch_metrics(backend.optimizer_step(handle)))
+        runs[graphed] = (metrics, backend.model.export_params(), backend)
+    (want, want_p, _), (got, got_p, backend) = runs[False], runs[True]
+    assert backend.step_graphs.num_graphs == 2 and backend.step_graphs.eager_steps == 0
+    for w, g in zip(want, got, strict=True):
+        for name, value in w.items():
+            assert g[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+    for name, value in want_p.items():
+        assert np.abs(got_p[name] - value).max() < 6 * 0.05 * cfg.train.lr, name
