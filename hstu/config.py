@@ -230,8 +230,8 @@ class TrainConfig:
     )
     cuda_graphs: bool = _opt(
         False,
-        "torch on CUDA: replay the HSTU stack's forward and backward from CUDA graphs, one per "
-        "token capacity (no effect in jax, whose step is one compiled program already)",
+        "torch on CUDA: replay the step from CUDA graphs, one per token capacity (what: "
+        "train.graph_scope; no effect in jax, whose step is one compiled program already)",
     )
     graph_scope: str = _opt(
         "auto",

@@ -13,10 +13,10 @@ Static shapes:
 * tokens: padded to a capacity of the run's `hstu.capacity` policy, as graphs.py pads them.
   The lookups read the ids in source order (`cat(contextual, item, action, candidate)`, which
   holds exactly one id per token) at every position of the capacity: each position reads the
-  three tables and keeps the row of its own (ids of other tables' positions read row 0 and
-  the `where` gives them no gradient). The token layout's `inverse` then places them;
-  padding positions map to themselves and lie past `offsets[-1]`, so no sample and no loss
-  reads them, and their gradient is exactly zero.
+  item table and the small tables (contextual and action, concatenated) and keeps the row of
+  its own (the other lookup reads row 0, and the `where` gives it no gradient). The token
+  layout's `inverse` then places them; padding positions map to themselves and lie past
+  `offsets[-1]`, so no sample and no loss reads them, and their gradient is exactly zero.
 * loss rows (ranking: candidates; retrieval: targets), masked by the real count: a bound fixed
   by the token capacity and the rows (`loss_rows_capacity`), so that the loss adds no shapes
   of its own: retrieval scores at most one target per two tokens (an item and its action),
@@ -277,9 +277,14 @@ class StepGraphs:
             neg_ids = torch.where(real_neg, s.extra, 0)
             rows = F.embedding(torch.cat([item_ids, neg_ids]), tables["item"].weight)
             e_item, e_neg = rows.split([cap, neg_ids.numel()])
-        e_ctx = F.embedding(torch.where(ctx, ids, 0), tables["contextual"].weight)
-        e_act = F.embedding(torch.where(act, ids, 0), tables["action"].weight)
-        e = torch.where(ctx[:, None], e_ctx, torch.where(act[:, None], e_act, e_item))
+        # The contextual and action tables (small) read as one: a second lookup over the
+        # capacity, not two. Cast before selecting and placing the rows: moving values commutes
+        # with the cast (the eager model casts after), and the bf16 copies halve the traffic.
+        ctx_table = tables["contextual"].weight
+        small = torch.cat([ctx_table, tables["action"].weight])
+        small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_table.shape[0], 0))
+        e_small = F.embedding(small_ids, small).to(model.compute_dtype)
+        e = torch.where((ctx | act)[:, None], e_small, e_item.to(model.compute_dtype))
         inverse = v["inverse"]
         seq = {
             "offsets": v["offsets"],
@@ -288,7 +293,7 @@ class StepGraphs:
             "num_candidates": v["num_candidates"],
             "timestamps": None if s.time is None else s.time.index_select(0, inverse),
         }
-        z = model.stack(e.index_select(0, inverse).to(model.compute_dtype), seq)
+        z = model.stack(e.index_select(0, inverse), seq)
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":
             logits = model._candidate_logits(z, {"pos_cand": v["loss_a"]})
