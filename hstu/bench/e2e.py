@@ -218,6 +218,12 @@ def format_breakdown(key: str, r: dict) -> str:
             + f" = {busy:.2f} busy, {100 * busy / r['step_ms']:.0f}% of the median step "
             f"{r['step_ms']:.2f} ({r['step_ms'] - busy:.2f} idle: the device waits for the host)"
         )
+    elif np.isfinite(dev["step"]):  # one graph replays the whole step: no phases inside it
+        busy = dev["step"]
+        lines.append(
+            f"  device, one step (medians of the probes): the step graph {busy:.2f} busy, "
+            f"{100 * busy / r['step_ms']:.0f}% of the median step {r['step_ms']:.2f}"
+        )
     else:
         lines.append("  device phases: not measured (probes off, or a CPU run of torch)")
     return "\n".join(lines)

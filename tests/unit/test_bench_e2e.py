@@ -217,3 +217,21 @@ def test_padding_is_the_mean_over_every_step():
     out = summarize_run([[row(i, w) for i, w in enumerate(wastes)]], world=1)
     assert out["padding_waste"] == pytest.approx(0.1)
     assert out["num_compiles"] == 1 and out["steps"] == 10
+
+
+def test_breakdown_of_a_step_graph_reports_its_one_device_phase():
+    """A torch step replayed from one graph has no phases inside: the breakdown gives the
+    step's device time instead of calling it unmeasured."""
+    from hstu.bench.e2e import DEVICE_PHASES, format_breakdown
+
+    r = {
+        "host_ms": {"dispatch": 1.0, "fetch_wait": 9.0},
+        "host_sum_ms": 10.0,
+        "step_mean_ms": 10.0,
+        "step_ms": 10.0,
+        "device_ms": {**dict.fromkeys(DEVICE_PHASES, float("nan")), "step": 8.0},
+    }
+    text = format_breakdown("torch identity -", r)
+    assert "the step graph 8.00 busy, 80% of the median step 10.00" in text
+    r["device_ms"]["step"] = float("nan")
+    assert "device phases: not measured" in format_breakdown("torch identity -", r)
