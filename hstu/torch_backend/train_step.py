@@ -85,6 +85,7 @@ class TorchBackend(TorchShuffler):
         self._metric_slots: list[torch.Tensor | None] = [None] * METRIC_SLOTS
         self._metric_next = 0
         self.step_graphs: StepGraphs | None = None
+        self._graphed_step = False  # the last step ran from a step graph
 
     def use_cuda_graphs(self, policy: CapacityPolicy, capture: bool = True) -> None:
         """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities, and
@@ -178,7 +179,7 @@ class TorchBackend(TorchShuffler):
     def grads(self) -> dict[str, np.ndarray]:
         """Reduced gradients by core parameter name (between forward_backward and the step);
         sharded tables (updated inside backward) have none."""
-        if getattr(self, "_graphed_step", False):
+        if self._graphed_step:
             raise HSTUError(
                 "grads(): the last step ran from a step graph, which consumes its gradients "
                 "inside the graph; set train.graph_scope=stack to read them"
