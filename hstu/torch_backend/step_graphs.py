@@ -57,13 +57,13 @@ import torch.nn.functional as F
 
 from hstu.capacity import CapacityPolicy
 from hstu.torch_backend.batch import TorchBatch
+from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
 from hstu.torch_backend.layout import layout_arrays
 from hstu.torch_backend.model import TOP_K
 from hstu.torch_backend.staging import staging
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPHS = 32  # beyond this, a new shape runs the eager step
 # the header of the static input: int64 scalars the graph reads
 HEADER = ("item_start", "action_start", "candidate_start", "tokens", "loss_rows", "loss_tokens")
 HEADER_SIZE = 8
