@@ -28,11 +28,16 @@ The sizes that change from step to step (the key boundaries in source order, the
 and loss-row counts, the global loss-token count) are int64 device scalars in a header of the
 static input: the graph computes its masks and the loss's denominator from them.
 
-The update: the run's fused AdamW, made capturable (its step count on the device), with its
-state initialised before the first capture (`_init_state`: a step at learning rate 0 on zero
-gradients, then the count reset, which leaves every parameter and moment as it was). Every
-parameter is updated every step as in the eager step: a parameter the loss does not reach
-gets a zero gradient inside the graph (`GradBuckets.finish` does the same eagerly).
+The update: the run's fused AdamW, made capturable (its step count on the device), for every
+parameter but the item table. The table is read as a leaf of rows (`W[ids]`, detached) whose
+gradient the graph keeps as it is, and `hstu_kernels.triton.adamw_rows` applies the same
+AdamW to it from those rows, with the optimizer's own state: no dense `[V, D]` gradient is
+filled, scattered, read by the norm and by AdamW (about 0.65 ms of every `bench_upstream`
+step, docs/BENCHMARKS.md). AdamW's state is initialised before the first capture
+(`_init_state`: a step at learning rate 0 on zero gradients, then the count reset, which
+leaves every parameter and moment as it was). Every parameter is updated every step as in
+the eager step: a parameter the loss does not reach gets a zero gradient inside the graph
+(`GradBuckets.finish` does the same eagerly), the table's rows nobody looked up too.
 
 Memory: the graphs share one pool. Everything a replay produces is consumed inside it (the
 gradients by the norm and AdamW) except its scalars, which the backend copies out before the
@@ -41,8 +46,8 @@ are allocated outside the pool. So a capture may reuse what another graph freed,
 gradients are not kept between steps (`.grad` is None after a replayed step).
 
 The warm-up before a capture runs forward and backward on a side stream with the first batch
-of its shape (compiles the Triton kernels, sizes cuBLAS's workspace) and discards the
-gradients: it never updates the parameters. Without CUDA (`capture=False`, the CPU tests) the
+of its shape (compiles the Triton kernels, the table update's without running them, sizes
+cuBLAS's workspace) and discards the gradients: it never updates the parameters. Without CUDA (`capture=False`, the CPU tests) the
 same padded step runs eagerly, which checks the padding and masks against the eager model.
 """
 
@@ -176,6 +181,9 @@ class StepGraphs:
         cfg = model.cfg
         self.task, self.num_negatives = cfg.task, cfg.num_negatives
         self.uses_time = any(layer.rab_time is not None for layer in model.layers)
+        self.table = model.embedding.embeddings["item"].weight  # updated by `_update_table`
+        if not any(p is self.table for p in self.params):
+            raise ValueError("StepGraphs: the item table must be among the trained parameters")
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.eager_steps = 0  # steps the eager path ran (a sample past the bound, a new shape
@@ -258,9 +266,11 @@ class StepGraphs:
         s.extra[: extra.numel()].copy_(extra)
 
     # ------------------------------------------------------------------ the padded step
-    def loss(self, s: _Static) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of the static inputs (local sum / global loss tokens) and the metric sums:
-        the eager model's (model.py), over padded shapes."""
+    def loss(self, s: _Static) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple]:
+        """The loss of the static inputs (local sum / global loss tokens), the metric sums (the
+        eager model's, model.py, over padded shapes), and the item table's lookup `(ids,
+        rows)`: `rows` is a leaf whose gradient, summed by id, is the table's (id -1: a
+        position that is no item lookup, its gradient zero)."""
         model, v = self.model, s.views()
         cap, device = s.capacity, s.src.device
         pos = torch.arange(cap, device=device)
@@ -270,13 +280,19 @@ class StepGraphs:
         item_ids = torch.where(ctx | act, 0, ids)
         tables = model.embedding.embeddings
         real_rows = torch.arange(s.loss_rows, device=device) < v["loss_rows"]
-        if self.task == "ranking":
-            e_item = F.embedding(item_ids, tables["item"].weight)
-        else:  # the negatives from the same lookup: one dense gradient of the table
+        looked = item_ids
+        # the table's update skips the positions that are no item lookup (id -1): contextual,
+        # action and padding tokens, padded negatives (they read row 0; zero gradient)
+        lookups = torch.where(ctx | act | (pos >= v["tokens"]), -1, ids)
+        if self.task == "retrieval":  # the negatives from the same lookup
             real_neg = real_rows[:, None].expand(-1, self.num_negatives).reshape(-1)
             neg_ids = torch.where(real_neg, s.extra, 0)
-            rows = F.embedding(torch.cat([item_ids, neg_ids]), tables["item"].weight)
-            e_item, e_neg = rows.split([cap, neg_ids.numel()])
+            looked = torch.cat([item_ids, neg_ids])
+            lookups = torch.cat([lookups, torch.where(real_neg, s.extra, -1)])
+        # the item table's rows as a leaf of their own: the table takes no dense gradient,
+        # its update reads theirs (`_update_table`)
+        rows = tables["item"].weight.detach().index_select(0, looked).requires_grad_()
+        e_item, e_neg = rows.split([cap, looked.numel() - cap])
         # The contextual and action tables (small) read as one: a second lookup over the
         # capacity, not two. Cast before selecting and placing the rows: moving values commutes
         # with the cast (the eager model casts after), and the bf16 copies halve the traffic.
@@ -298,7 +314,7 @@ class StepGraphs:
         if self.task == "ranking":
             logits = model._candidate_logits(z, {"pos_cand": v["loss_a"]})
             bce = model.ranking_terms(logits, s.extra)
-            return torch.where(real_rows[:, None], bce, 0.0).sum() / denom, {}
+            return torch.where(real_rows[:, None], bce, 0.0).sum() / denom, {}, (lookups, rows)
         r, item_src = self.num_negatives, v["loss_b"]
         loss, hit, ndcg = model.retrieval_terms(
             z.index_select(0, v["loss_a"]),
@@ -309,19 +325,21 @@ class StepGraphs:
         )
         loss = torch.where(real_rows, loss, 0.0).sum() / denom
         sums = [torch.where(real_rows, m, 0.0).sum() for m in (hit, ndcg)]
-        return loss, dict(zip(self.names[1:], sums, strict=True))
+        return loss, dict(zip(self.names[1:], sums, strict=True)), (lookups, rows)
 
     def _run(self, s: _Static) -> torch.Tensor:
         """Forward, backward, the gradient norm and the update; the scalars `[loss, sums...,
         norm]` (what a graph captures)."""
-        loss, sums = self.loss(s)
+        loss, sums, (ids, rows) = self.loss(s)
         loss.backward()
+        table = self.table
         for p in self.params:
-            if p.grad is None:  # not reached by the loss: a zero gradient, as the eager step
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        self.optimizer.step()
+            if p.grad is None and p is not table:  # not reached by the loss: a zero gradient,
+                p.grad = torch.zeros_like(p)  # as the eager step
+        grads = [p.grad for p in self.params if p is not table]
+        table_sq = self._update_table(ids, rows.grad)
+        norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + table_sq)
+        self.optimizer.step()  # every parameter but the item table (no .grad: skipped)
         parts = [loss.detach(), *sums.values(), norm]
         out = torch.stack([t.float() for t in parts])
         if self.capture:  # the graph's gradients live in the shared pool; see the docstring
@@ -334,6 +352,7 @@ class StepGraphs:
     # ------------------------------------------------------------------ capture
     def _make(self, s: _Static) -> _Graph:
         if not self.capture:
+            self._init_state()  # the item table's update reads AdamW's state
             return _Graph(None, s, None)
         log.info(
             "capturing the training step: %d tokens, %d rows, %d loss rows",
@@ -348,9 +367,11 @@ class StepGraphs:
             for _ in range(self.warmup):
                 for p in self.params:
                     p.grad = None
-                loss, _ = self.loss(s)
+                loss, _, (ids, rows) = self.loss(s)
                 loss.backward()
                 del loss
+            self._update_table(ids, rows.grad, run=False)  # its kernels built, not run
+            del ids, rows
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
             p.grad = None
@@ -360,6 +381,26 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._run(s)
         return _Graph(graph, s, out)
+
+    def _update_table(self, ids: torch.Tensor, grad_rows: torch.Tensor, run: bool = True):
+        """AdamW on the item table from its looked-up rows' gradient, with the optimizer's own
+        state and hyperparameters (so that eager steps and checkpoints see one optimizer);
+        the gradient's squared norm. `run=False`: only build its kernels (before a capture)."""
+        # imported on first use, as the attention kernels: Triton decides at decoration time
+        # whether its kernels run compiled or in the interpreter (TRITON_INTERPRET=1)
+        from hstu_kernels.triton.adamw_rows import adamw_rows_, compile_adamw_rows
+
+        table, state = self.table, self.optimizer.state[self.table]
+        tensors = (table.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"], ids)
+        if not run:
+            return compile_adamw_rows(*tensors, grad_rows)
+        group = next(g for g in self.optimizer.param_groups if any(p is table for p in g["params"]))
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            return adamw_rows_(
+                *tensors, grad_rows, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )  # fmt: skip
 
     def _init_state(self) -> None:
         """AdamW's state for every parameter that has none, created outside the graph (a
