@@ -47,8 +47,9 @@ gradients are not kept between steps (`.grad` is None after a replayed step).
 
 The warm-up before a capture runs forward and backward on a side stream with the first batch
 of its shape (compiles the Triton kernels, the table update's without running them, sizes
-cuBLAS's workspace) and discards the gradients: it never updates the parameters. Without CUDA (`capture=False`, the CPU tests) the
-same padded step runs eagerly, which checks the padding and masks against the eager model.
+cuBLAS's workspace) and discards the gradients: it never updates the parameters. Without
+CUDA (`capture=False`, the CPU tests) the same padded step runs eagerly, which checks the
+padding and masks against the eager model.
 """
 
 from __future__ import annotations
