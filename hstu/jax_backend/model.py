@@ -105,7 +105,9 @@ class Embeddings(nn.Module):
         self.contextual = self.param("contextual", init, (self.cfg.num_contextual_ids, d))
 
     def lookup(self, name: str, ids: jax.Array, tables: dict | None) -> jax.Array:
-        if tables is None:
+        """Rows of `ids` from table `name`: from `tables[name]` where the call passes it (the
+        sharded tables; the item table's rows in the one-device step), else the parameter."""
+        if tables is None or name not in tables:
             return _lookup(getattr(self, name), ids)
         rows = {
             "item": self.cfg.num_items,

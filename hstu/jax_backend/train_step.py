@@ -40,6 +40,7 @@ __all__ = [
     "init_state",
     "make_loss_fn",
     "make_optimizer",
+    "make_rows_loss_fn",
     "make_sharded_loss_fn",
     "make_sharded_train_step",
     "make_train_step",
@@ -75,17 +76,80 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
     )
 
 
+def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
+    """`(params, rows, ids, batch, global_loss_tokens, rng) -> (loss, aux)`: `make_loss_fn`'s
+    loss with the item table read from `rows [U, D]`, the table's rows at the sorted ids
+    `ids [U]` (every id the batch reads), instead of the parameter."""
+
+    def per_rank(params, rows, ids, batch, global_loss_tokens, rng):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
+        loss, aux = model.apply(
+            {"params": params},
+            local_view(batch),
+            global_loss_tokens,
+            deterministic=False,
+            rngs={"dropout": rng},
+            tables={"item": (ids, rows)},
+        )
+        return jax.lax.psum((loss, aux), col.DATA_AXIS)
+
+    return col.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(), P(), P(), P(col.DATA_AXIS), P(), P()),
+        out_specs=(P(), P()),
+        check=model.attn.impl == "reference",
+    )
+
+
+def _item_ids(batch: DeviceBatch) -> jax.Array:
+    """Every id the model may read from the item table for `batch` (padding included)."""
+    v = batch.values
+    parts = [v["item"], v["candidate"]] + ([v["negative"]] if "negative" in v else [])
+    return jax.numpy.concatenate([x.reshape(-1) for x in parts])
+
+
 def make_train_step(
-    model: HSTUModel, optimizer: optax.GradientTransformation, mesh: Mesh, donate: bool = True
+    model: HSTUModel,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    donate: bool = True,
+    table_rows: bool | None = None,
 ) -> Callable:
-    """Jitted `(state, batch, global_loss_tokens) -> (state, metrics)`; donates the state."""
+    """Jitted `(state, batch, global_loss_tokens) -> (state, metrics)`; donates the state.
+
+    `table_rows` (default: on one device): the item table's gradient from the rows the batch
+    reads. The loss differentiates with respect to those rows (`make_rows_loss_fn`), and the
+    table's dense gradient is a gather of their gradients (zero for every other row) that XLA
+    fuses into AdamW's update and the norm: no zero fill, scatter and read of a `[V, D]`
+    gradient. The same update and norm (AdamW still moves every row). Across devices the
+    per-rank rows would have to be gathered first: the dense all-reduce stays."""
+    jnp = jax.numpy
     loss_fn = make_loss_fn(model, mesh)
+    rows_loss_fn = make_rows_loss_fn(model, mesh)
+    if table_rows is None:
+        table_rows = mesh.devices.size == 1
+    num_items = model.cfg.num_items
+
+    def grads_of(params, batch, global_loss_tokens, rng):
+        if not table_rows:
+            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
+        table = params["embedding"]["item"]
+        read = _item_ids(batch)
+        ids = jnp.unique(read, size=read.size, fill_value=num_items)
+        rows = table.at[ids].get(mode="fill", fill_value=0)
+        out, (grads, g_rows) = jax.value_and_grad(rows_loss_fn, argnums=(0, 1), has_aux=True)(
+            params, rows, ids, batch, global_loss_tokens, rng
+        )
+        slot = jnp.full((num_items,), -1, jnp.int32)
+        slot = slot.at[ids].set(jnp.arange(ids.size, dtype=jnp.int32), mode="drop")
+        g_table = jnp.where(slot[:, None] >= 0, g_rows[jnp.maximum(slot, 0)], 0.0)
+        embedding = {**grads["embedding"], "item": g_table.astype(table.dtype)}
+        return out, {**grads, "embedding": embedding}
 
     def step(state: TrainState, batch: DeviceBatch, global_loss_tokens):
         rng = jax.random.fold_in(state.rng, state.step)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, global_loss_tokens, rng
-        )
+        (loss, aux), grads = grads_of(state.params, batch, global_loss_tokens, rng)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
