@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import _max, _reduce_sum
+
 # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), as in _launch.py
 _INTERPRET: bool
 
@@ -58,16 +60,6 @@ def _chunk_sums_kernel(
             src = tl.load(Perm + j)
             acc += tl.load(R + src * stride_r + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(Out + i.to(tl.int64) * stride_o + cols, acc, mask=cmask)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -100,7 +92,7 @@ def _adamw_rows_kernel(
             mask=mask & live[:, None],
             other=0.0,
         )
-    tl.store(Sq + pid_r * tl.num_programs(1) + pid_c, tl.reduce(tl.reduce(g * g, 1, _add), 0, _add))
+    tl.store(Sq + pid_r * tl.num_programs(1) + pid_c, _reduce_sum(g * g))
     offs = rows[:, None] * D + cols[None, :]
     p = tl.load(P + offs, mask=mask, other=0.0)
     m = tl.load(M + offs, mask=mask, other=0.0)
