@@ -76,7 +76,7 @@ _TUNED = {
     128: {"fwd": BlockSizes(64, 32, 4, 3), "dkdv": BlockSizes(32, 64, 4, 2),
           "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(64, 128, 8, 2)},
     256: {"fwd": BlockSizes(128, 64, 8, 2), "dkdv": BlockSizes(64, 32, 4, 2),
-          "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(32, 64, 8, 2)},
+          "dq": BlockSizes(64, 32, 4, 3), "fused": BlockSizes(32, 64, 8, 2)},
 }  # fmt: skip
 # backward mode per head dim for 16-bit inputs on CUDA: "split" until "fused" is timed on a GPU
 # (a first probe, one H100, backward alone, the fused tiles above: on the bench_upstream-like
