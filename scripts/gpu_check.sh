@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab bwd optim mosaic recipes workers overrides
+#                                               kab bwd optim mosaic recipes workers overrides flags
 #                                               host
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
@@ -112,6 +112,20 @@ print('torchrec', torchrec.__version__)" ;;
       # set is the config as shipped), alternating, $E2E_BACKENDS at W=1 on bench_upstream,
       # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
       ab_overrides ovr "${OVR_SETS:-}" "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
+    flags)
+      # XLA_FLAGS A/B in one call: each set in $FLAG_SETS (separated by '|'; an empty set is
+      # XLA's defaults), alternating, jax at W=1 on bench_upstream, identity, each batch size
+      # of $AB_BATCHES, $AB_ROUNDS rounds
+      IFS='|' read -r -a flag_sets <<< "${FLAG_SETS:-}"
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for b in ${AB_BATCHES:-8 32}; do
+          for i in "${!flag_sets[@]}"; do
+            run "flags${i}_b${b}_$round" env XLA_FLAGS="${flag_sets[$i]}" python -m hstu.cli \
+              bench e2e --config bench_upstream --backends jax --shufflers identity --steps 30 \
+              --probe-every 0 --out /tmp/flags${i}_b${b}_$round data.batch_size=$b
+          done
+        done
+      done ;;
     workers)
       # data.workers (batches built in worker processes) against the in-process loader: the
       # overrides A/B over batch sizes $WORKERS_BATCHES, two rounds
