@@ -172,8 +172,14 @@ def _jax_case(
     def attn(q, k, v):
         return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering)
 
+    def attn_and_grads(q, k, v):
+        # the output is returned too: the backward does not read it, and a program that
+        # returned the gradients alone let XLA drop the forward kernel from the figure
+        out, pull = jax.vjp(attn, q, k, v)
+        return out, pull(g)
+
     fwd = jax.jit(attn)
-    fwd_bwd = jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](g))
+    fwd_bwd = jax.jit(attn_and_grads)
 
     if profile:
         print(f"  -- forward, {lowering} lowering")
