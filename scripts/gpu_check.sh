@@ -5,7 +5,8 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab bwd optim mosaic recipes workers overrides flags
+#                                               kab bias bwd optim mosaic recipes workers
+#                                               overrides flags
 #                                               host
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
@@ -141,6 +142,17 @@ print('torchrec', torchrec.__version__)" ;;
             run "kab_${backend}_${side}_$round" python scripts/attention_jagged.py \
               --backend $backend ${KAB_ARGS:-}
           done
+        done
+      done
+      ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    bias)
+      # what the attention biases cost the Triton kernel (kernels/triton/bench_bias.py), on
+      # $AB_BEFORE/kernels (when set) and on kernels/, alternating, two rounds; $BIAS_ARGS
+      for round in 1 2; do
+        for side in ${AB_BEFORE:+before} after; do
+          dir=$PWD/kernels; [ $side = before ] && dir=$AB_BEFORE/kernels
+          ln -sfn "$dir" /tmp/hstu-path/hstu_kernels
+          run "bias_${side}_$round" python -m hstu_kernels.triton.bench_bias ${BIAS_ARGS:-}
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;

@@ -22,14 +22,16 @@ from ._common import (
     _sigmoid,
     _store_rows,
     _time_bucket,
+    _time_path,
+    _ts_load,
     _visible,
 )
 
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime, seq_start, stride_qt,
-    stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha, inv_norm,
+    dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime, seq_start,
+    stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
@@ -43,7 +45,7 @@ def _dkdv_tile(
     do = _load_rows(DO, rows, in_m, stride_dot, DV, BLOCK_DV)
     ts_q = 0
     if HAS_TIME:
-        ts_q = tl.load(Ts + rows, mask=in_m, other=0)[None, :]
+        ts_q = _ts_load(Ts, rows, in_m, ts_lo, HAS_TIME)[None, :]
     qi = offs_m[None, :]
     kj = offs_n[:, None]
     s_t = _dot(k, tl.trans(q), PREC)  # [BLOCK_N, BLOCK_M]
@@ -82,7 +84,7 @@ def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: 
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
@@ -96,6 +98,10 @@ def _dkdv_program(
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    ts_lo = 0
+    if HAS_TIME:
+        ts_lo, runs = _time_path(TsRange, HAS_TIME)
+        n = tl.where(runs, n, 0)  # the other time path's launch does this program
     n0 = n_blk * BLOCK_N
     if n0 < n:
         # DK / DVout: strides of their own (columns of a caller's buffer, or contiguous), or
@@ -120,7 +126,7 @@ def _dkdv_program(
         v = _load_rows(V, rows_n, in_n, stride_vt, DV, BLOCK_DV)
         ts_k = 0
         if HAS_TIME:
-            ts_k = tl.load(Ts + rows_n, mask=in_n, other=0)[:, None]
+            ts_k = _ts_load(Ts, rows_n, in_n, ts_lo, HAS_TIME)[:, None]
         dk = tl.full([BLOCK_N, BLOCK_DQK], 0.0, tl.float32)
         dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
         cfull, chi, lo, fs, fe, hi = _query_ranges(n0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
@@ -130,7 +136,7 @@ def _dkdv_program(
         for it in range(0, n_a + n_b):
             start_m = _block_start(it, 0, n_a, fs, n_b, 0, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
                 PREC, FAST, False, FUSED,
@@ -142,7 +148,7 @@ def _dkdv_program(
         for it in range(0, n_a + n_b + n_c):
             start_m = _block_start(it, cfull, n_a, lo, n_b, fe, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
                 PREC, FAST, True, FUSED,
@@ -153,7 +159,7 @@ def _dkdv_program(
 
 @triton.jit
 def _hstu_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
@@ -164,7 +170,7 @@ def _hstu_bwd_dkdv_kernel(
 ):  # fmt: skip
     """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G, H,
         P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
@@ -174,7 +180,7 @@ def _hstu_bwd_dkdv_kernel(
 
 @triton.jit
 def _hstu_bwd_fused_kernel(
-    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
@@ -187,7 +193,7 @@ def _hstu_bwd_fused_kernel(
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
     launch multiplies by alpha). No bias-table gradients (the launch uses split for those)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
         stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
@@ -198,8 +204,8 @@ def _hstu_bwd_fused_kernel(
 
 @triton.jit
 def _dq_tile(
-    dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos, seq_start,
-    stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
+    dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
+    seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
@@ -212,7 +218,7 @@ def _dq_tile(
     v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
     ts_k = 0
     if HAS_TIME:
-        ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
+        ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
     qi = offs_m[:, None]
     kj = offs_n[None, :]
     s = _dot(q, tl.trans(k), PREC)
@@ -247,7 +253,7 @@ def _dq_tile(
             tl.atomic_add(DRabPos + (P - 1), far, sem="relaxed")
     if TIME_GRAD:
         # few distinct buckets per tile: reduce each in registers, no contended atomics
-        tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME).to(tl.int32)
+        tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME)
         if MASKED:
             lo_b = _reduce_min(tl.where(mask, tb, BLOCK_TB))
             hi_b = _reduce_max(tl.where(mask, tb, -1))
@@ -263,7 +269,7 @@ def _dq_tile(
 
 @triton.jit
 def _hstu_bwd_dq_kernel(
-    Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime, DRabPos, DRabTime,
+    Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime, DRabPos, DRabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -275,6 +281,10 @@ def _hstu_bwd_dq_kernel(
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    ts_lo = 0
+    if HAS_TIME:
+        ts_lo, runs = _time_path(TsRange, HAS_TIME)
+        n = tl.where(runs, n, 0)  # the other time path's launch does this program
     m0 = m_blk * BLOCK_M
     if m0 < n:
         # DQ: strides of its own, or Q's (OUT_LIKE_IN); DRabPos / DRabTime are contiguous fp32
@@ -297,26 +307,26 @@ def _hstu_bwd_dq_kernel(
         do = _load_rows(DO, rows_m, in_m, stride_dot, DV, BLOCK_DV)
         ts_q = 0
         if HAS_TIME:
-            ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
+            ts_q = _ts_load(Ts, rows_m, in_m, ts_lo, HAS_TIME)[:, None]
         dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
         dtime = tl.full([BLOCK_TB], 0.0, tl.float32)
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
-                seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME,
-                POS_GRAD, TIME_GRAD, PREC, FAST, False,
+                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime,
+                DRabPos, seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
+                DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
+                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, False,
             )  # fmt: skip
         n_a = _num_blocks(full, hi1, BLOCK_N)
         n_b = _num_blocks(lo2, hi2, BLOCK_N)
         for it in range(0, n_a + n_b):
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, m0, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
-                seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS, HAS_TIME,
-                POS_GRAD, TIME_GRAD, PREC, FAST, True,
+                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime,
+                DRabPos, seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
+                DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
+                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, True,
             )  # fmt: skip
         _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:

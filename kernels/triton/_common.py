@@ -9,8 +9,8 @@ import triton.language as tl
 
 # Local positions: ``qi`` (query) and ``kj`` (key) are broadcastable int32 index tensors inside a
 # sample of length ``n``; ``hist_end = n - K``.  MASKED=False marks a tile known to be fully
-# visible (no mask evaluated).  HAS_TIME is 0 (no rab_time), 1 (Tb <= 31: int32 bucket math) or
-# 2 (wider tables: int64 bucket math).
+# visible (no mask evaluated).  HAS_TIME is 0 (no rab_time), 1 (Tb <= 31: int32 bucket math),
+# 2 (wider tables: int64 bucket math) or 3 (float64 bucket math, see ``_time_bucket``).
 
 
 # Only core builtins and the jit helpers of this module are used in the kernels (no tl.zeros,
@@ -80,17 +80,51 @@ def _sigmoid(z, FAST: tl.constexpr):
 
 @triton.jit
 def _time_bucket(ts_q, ts_k, TB, HAS_TIME: tl.constexpr):
-    """min(floor(log2(1 + |ts_q - ts_k|)), TB - 1) for int64 timestamps, exactly."""
-    d = tl.abs(ts_q - ts_k)
-    if HAS_TIME == 1:  # noqa: SIM108 (constexpr branch)
-        # TB <= 31: every |dt| >= 2^30 - 1 lands in the last bucket, so clamp and go int32
-        x = (tl.minimum(d, 1 << 30) + 1).to(tl.int32)
+    """min(floor(log2(1 + |ts_q - ts_k|)), TB - 1) (int32), exactly, from timestamps as
+    ``_ts_load`` gives them.
+
+    HAS_TIME 3: float64 timestamps relative to the launch's smallest, every pair less than 2^53
+    apart (``_time_path``), so 1 + |dt| is an exact integer and the exponent field of the
+    float64 is the floor of its log2: a subtract, an add (the absolute value folds into it) and
+    a shift per pair. 1 and 2: int64 timestamps, integer math."""
+    if HAS_TIME == 3:
+        x = tl.abs(ts_q - ts_k) + 1.0
+        b = (x.to(tl.int64, bitcast=True) >> 52).to(tl.int32) - 1023
     else:
-        x = d + 1
-    # exponent of fp32(x); round-to-nearest may carry x up to the next power of two: undo that
-    b = (((x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(x.dtype)
-    b = tl.where(((b * 0 + 1) << b) > x, b - 1, b)
+        d = tl.abs(ts_q - ts_k)
+        if HAS_TIME == 1:  # noqa: SIM108 (constexpr branch)
+            # TB <= 31: every |dt| >= 2^30 - 1 lands in the last bucket, so clamp and go int32
+            x = (tl.minimum(d, 1 << 30) + 1).to(tl.int32)
+        else:
+            x = d + 1
+        # exponent of fp32(x); round-to-nearest may carry x up to the next power of two: undo
+        b = (((x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(x.dtype)
+        b = tl.where(((b * 0 + 1) << b) > x, b - 1, b).to(tl.int32)
     return tl.minimum(b, TB - 1)
+
+
+@triton.jit
+def _time_path(TsRange, HAS_TIME: tl.constexpr):
+    """(the launch's smallest timestamp, whether this launch's path runs). Timestamps less than
+    2^53 apart take the float64 path (HAS_TIME 3), others the integer one: a time-bias call
+    launches both, each of whose programs finds from ``TsRange`` (the min and the bitwise NOT
+    of the max, ``_time_range_kernel``) whether it has work, without a host sync."""
+    lo = tl.load(TsRange)
+    span = ~tl.load(TsRange + 1) - lo
+    fast = (span >= 0) & (span < 9007199254740992)
+    if HAS_TIME != 3:
+        fast = fast == 0
+    return lo, fast
+
+
+@triton.jit
+def _ts_load(Ts, rows, in_rows, ts_lo, HAS_TIME: tl.constexpr):
+    """Timestamps of ``rows`` as ``_time_bucket`` takes them: relative to the launch's smallest
+    in float64 (HAS_TIME 3), else int64."""
+    t = tl.load(Ts + rows, mask=in_rows, other=0)
+    if HAS_TIME == 3:
+        t = (t - ts_lo).to(tl.float64)
+    return t
 
 
 @triton.jit
@@ -174,6 +208,19 @@ def _schedule_kernel(
     tl.store(Sched + j, blk)
     tl.store(Sched + G + j, b)
     tl.store(Sched + 2 * G + j, valid.to(tl.int32))
+
+
+@triton.jit
+def _time_range_kernel(Ts, SeqOffsets, B, TsRange, BLOCK: tl.constexpr):
+    """The smallest timestamp of tokens ``[0, SeqOffsets[B])`` and the bitwise NOT of the
+    largest (the order reversed without overflow), atomically min-ed into ``TsRange[0]`` and
+    ``TsRange[1]`` (both set to the int64 maximum first): one program per ``BLOCK`` tokens."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < tl.load(SeqOffsets + B)
+    t = tl.load(Ts + offs, mask=valid, other=0)
+    top = 9223372036854775807
+    tl.atomic_min(TsRange, tl.reduce(tl.where(valid, t, top), 0, _min), sem="relaxed")
+    tl.atomic_min(TsRange + 1, tl.reduce(tl.where(valid, ~t, top), 0, _min), sem="relaxed")
 
 
 @triton.jit

@@ -13,14 +13,16 @@ from ._common import (
     _sample_info,
     _sigmoid,
     _store_rows,
+    _time_path,
+    _ts_load,
     _visible,
 )
 
 
 @triton.jit
 def _fwd_tile(
-    acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt, stride_vt,
-    n, hist_end, C, P, TB, alpha,
+    acc, q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
+    stride_vt, n, hist_end, C, P, TB, alpha,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
@@ -32,7 +34,7 @@ def _fwd_tile(
     v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
     ts_k = 0
     if HAS_TIME:
-        ts_k = tl.load(Ts + rows, mask=in_n, other=0)[None, :]
+        ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
     qi = offs_m[:, None]
     kj = offs_n[None, :]
     s = _dot(q, tl.trans(k), PREC)
@@ -45,7 +47,7 @@ def _fwd_tile(
 
 @triton.jit
 def _hstu_fwd_kernel(
-    Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, RabPos, RabTime,
+    Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -56,6 +58,10 @@ def _hstu_fwd_kernel(
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    ts_lo = 0
+    if HAS_TIME:
+        ts_lo, runs = _time_path(TsRange, HAS_TIME)
+        n = tl.where(runs, n, 0)  # the other time path's launch does this program
     m0 = m_blk * BLOCK_M
     if m0 < n:
         Q += h * stride_qh
@@ -70,14 +76,14 @@ def _hstu_fwd_kernel(
         q = _load_rows(Q, rows_m, in_m, stride_qt, DQK, BLOCK_DQK)
         ts_q = 0
         if HAS_TIME:
-            ts_q = tl.load(Ts + rows_m, mask=in_m, other=0)[:, None]
+            ts_q = _ts_load(Ts, rows_m, in_m, ts_lo, HAS_TIME)[:, None]
         acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):  # fully visible key blocks
             acc = _fwd_tile(
-                acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
-                stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
+                acc, q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start,
+                stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
             )  # fmt: skip
         # masked: the causal / history edge [full, hi1) and the candidates' diagonal [lo2, hi2)
         n_a = _num_blocks(full, hi1, BLOCK_N)
@@ -85,8 +91,8 @@ def _hstu_fwd_kernel(
         for it in range(0, n_a + n_b):
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             acc = _fwd_tile(
-                acc, q, offs_m, ts_q, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
-                stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
+                acc, q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start,
+                stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
             )  # fmt: skip
         _store_rows(Out, rows_m, in_m, stride_ot, acc * inv_norm, DV, BLOCK_DV)

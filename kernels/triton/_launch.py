@@ -12,7 +12,7 @@ import triton
 from ..schedule import pairs, schedule
 from ..tiles import KERNELS
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
-from ._common import _schedule_kernel, _zero_tail_kernel
+from ._common import _schedule_kernel, _time_range_kernel, _zero_tail_kernel
 from ._forward import _hstu_fwd_kernel
 
 # ----------------------------------------------------------------------------------------------
@@ -144,14 +144,32 @@ def _prep(seq_offsets, num_contextual, num_candidates, timestamps, rab_pos, rab_
     return seq_offsets, nc, nk, ts, rp, rt
 
 
+def _time_range(ts: torch.Tensor, so: torch.Tensor) -> torch.Tensor:
+    """int64 ``[2]``: the smallest timestamp of the batch's tokens and the bitwise NOT of the
+    largest, on the device without a host sync. The kernels take float64 time buckets relative
+    to the smallest where the two are less than 2^53 apart, else exact int64 ones."""
+    rng = torch.full((2,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=ts.device)
+    if ts.shape[0]:
+        _time_range_kernel[(triton.cdiv(ts.shape[0], 1024),)](
+            ts, so, so.shape[0] - 1, rng, BLOCK=1024, num_warps=4
+        )
+    return rng
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common_meta(q, v, nc_, nk_, rp_, rt_, bs: BlockSizes) -> dict:
+def _time_paths(rt_) -> tuple[int, ...]:
+    """HAS_TIME of each launch of a kernel: none without a time table; with one, the float64
+    path and the integer one (int32 math for tables of <= 31 buckets), of which each program
+    runs the one its launch's timestamp span calls for (``_time_path``)."""
+    return (0,) if rt_ is None else (3, 1 if rt_.shape[1] <= 31 else 2)
+
+
+def _common_meta(q, v, nc_, nk_, rp_, has_time: int, bs: BlockSizes) -> dict:
     """Constexpr / launch meta-parameters shared by the three kernels."""
     fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not is_interpret_mode()
-    has_time = 0 if rt_ is None else (1 if rt_.shape[1] <= 31 else 2)
     return dict(
         DQK=q.shape[2], DV=v.shape[2], BLOCK_DQK=_block_d(q.shape[2]),
         BLOCK_DV=_block_d(v.shape[2]), BLOCK_M=bs.block_m, BLOCK_N=bs.block_n,
@@ -237,14 +255,16 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
     TB = rt_.shape[1] if rt_ is not None else 1
     with _device_ctx(q):
         grid, table, G = _schedule(so, T, H, max_seqlen, bs.block_m, key_major=False)
-        _hstu_fwd_kernel[grid](
-            q, k, v, out, so, nc, nk, ts, rp, rt,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1),
-            rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-            table, G, H, P, TB, float(alpha), 1.0 / float(normalizer),
-            **_common_meta(q, v, nc_, nk_, rp_, rt_, bs),
-        )  # fmt: skip
+        tsr = _time_range(ts, so) if rt_ is not None else so
+        for has_time in _time_paths(rt_):
+            _hstu_fwd_kernel[grid](
+                q, k, v, out, so, nc, nk, ts, tsr, rp, rt,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1),
+                rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
+                table, G, H, P, TB, float(alpha), 1.0 / float(normalizer),
+                **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
+            )  # fmt: skip
         _zero_tail(out, so)
     return out
 
@@ -289,29 +309,36 @@ def _bwd_impl(
         dkdv_like = dk.stride()[:2] == k.stride()[:2] and dv.stride()[:2] == v.stride()[:2]
         scalars = (P, TB, float(alpha), 1.0 / float(normalizer))
         with _device_ctx(q):
+            tsr = _time_range(ts, so) if rt_ is not None else so
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
+            paths = _time_paths(rt_)
             if fused:
-                _hstu_bwd_fused_kernel[grid](
-                    q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, rp, rt,
-                    *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G, H,
-                    *scalars, OUT_LIKE_IN=dkdv_like,
-                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
-                )  # fmt: skip
+                for has_time in paths:
+                    _hstu_bwd_fused_kernel[grid](
+                        q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, tsr, rp, rt,
+                        *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G, H,
+                        *scalars, OUT_LIKE_IN=dkdv_like,
+                        **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
+                    )  # fmt: skip
             else:
-                _hstu_bwd_dkdv_kernel[grid](
-                    q, k, v, grad_out, dk, dv, so, nc, nk, ts, rp, rt,
-                    *inputs, *dkdv_out, *tables, table, G, H, *scalars, OUT_LIKE_IN=dkdv_like,
-                    **_common_meta(q, v, nc_, nk_, rp_, rt_, dkdv_bs),
-                )  # fmt: skip
+                for has_time in paths:
+                    _hstu_bwd_dkdv_kernel[grid](
+                        q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
+                        *inputs, *dkdv_out, *tables, table, G, H, *scalars,
+                        OUT_LIKE_IN=dkdv_like,
+                        **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
+                    )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
-                _hstu_bwd_dq_kernel[grid](
-                    q, k, v, grad_out, dq, so, nc, nk, ts, rp, rt,
-                    drp if pos_grad else so, drt if time_grad else so,
-                    *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
-                    BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
-                    POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
-                    OUT_LIKE_IN=dq_like, **_common_meta(q, v, nc_, nk_, rp_, rt_, dq_bs),
-                )  # fmt: skip
+                for has_time in paths:
+                    _hstu_bwd_dq_kernel[grid](
+                        q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
+                        drp if pos_grad else so, drt if time_grad else so,
+                        *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
+                        BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
+                        POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
+                        OUT_LIKE_IN=dq_like,
+                        **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
+                    )  # fmt: skip
             for x in (dk, dv) if fused else (dq, dk, dv):
                 _zero_tail(x, so)
     else:

@@ -35,7 +35,9 @@ _FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_d
 # pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
 _POINTERS = {
     **dict.fromkeys(("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ"), "*bf16"),
-    **dict.fromkeys(("SeqOffsets", "Ts", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"),
+    **dict.fromkeys(
+        ("SeqOffsets", "Ts", "TsRange", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"
+    ),
     **dict.fromkeys(("NumCtx", "NumCand", "Sched"), "*i32"),
     "DQacc": "*fp32",
 }  # absent tables are passed as the int64 offsets, as the launches do

@@ -253,7 +253,9 @@ def test_fused_backward_matches_split_and_reference(
         assert picked == "split"
         monkeypatch.setattr(hstu_attention_module, "_resolve_backward", lambda b, *_: b)
     fused_out, fused = run(hstu_attention, dtype, block_sizes=blocks, backward="fused")
-    assert len(spy.grids) == (0 if table_grads else 1)
+    # one launch per time path (a time table: float64 and integer buckets, _launch._time_paths)
+    launches = len(_launch._time_paths(tables.get("rab_time")))
+    assert len(spy.grids) == (0 if table_grads else launches)
     _, ref = run(hstu_attention_reference, torch.float32)
     assert torch.equal(fused_out, out)
     tol = TOL[dtype]
@@ -384,13 +386,24 @@ def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, monkeyp
     assert rg[:, far].abs().min() > 0, f"bucket {far} must collect pairs in this case"
 
 
+# timestamps of the exactness test: as listed (float64 buckets), shifted near the int64 top
+# (float64 relative to the smallest), or with two far outliers (the launch spans 2^53 or more:
+# the int64 buckets)
+TIME_SPANS = {"float64": (0, []), "shifted": (2**62, []), "int64": (0, [2**60 + 3, -(2**61)])}
+
+
+@pytest.mark.parametrize("span", list(TIME_SPANS))
 @pytest.mark.parametrize("num_buckets", [31, 40], ids=["int32_buckets", "int64_buckets"])
 @pytest.mark.parametrize("mode", MODES)
-def test_time_buckets_exact_near_powers_of_two(mode, num_buckets):
-    """rab_time buckets are floor(log2(1 + |dt|)) exactly, also where fp32 would round."""
+def test_time_buckets_exact_near_powers_of_two(mode, num_buckets, span):
+    """rab_time buckets are floor(log2(1 + |dt|)) exactly, also where fp32 would round, on
+    both of the kernels' paths (float64 relative timestamps; int64 when they span 2^53)."""
     dev = _device(mode)
     ts = [0, 1, 2, 3, 6, 7, 2**20 - 2, 2**20 - 1, 2**24, 2**25 - 2, 2**25 - 1]
     ts += [2**30 - 2, 2**30 - 1, 2**31 - 1, 2**36 - 2, 2**36 - 1, 2**38, 2**40 + 5]
+    ts += [2**52 - 1, 2**52 + 7]
+    shift, outliers = TIME_SPANS[span]
+    ts = [t + shift for t in ts] + outliers
     n = len(ts)
     timestamps = torch.tensor(ts, dtype=torch.int64, device=dev)
     gen = torch.Generator().manual_seed(7)
