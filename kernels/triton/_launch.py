@@ -86,10 +86,22 @@ _TUNED = {
 _DEFAULT_BACKWARD = {64: "split", 128: "split", 256: "split"}
 
 
+# dq tiles where it also reduces bias-table gradients (the per-bucket sums of the time table,
+# the position table's atomics): at head dim 128 the 64 x 64 tiles spill in that loop. One
+# H100, 4 x 4096 tokens, 4 heads, dq kernel with rab_time gradients, float64 buckets: 2.48 ms
+# (64 x 64) vs 0.97 ms (64 x 32, 3 stages) with 32 buckets, 1.33 vs 0.97 ms with 16; without
+# table gradients 64 x 64 stays the faster (0.44 vs 0.45 ms). Head dim 256 already takes
+# 64 x 32 x 3 stages; 64 not measured.
+_TUNED_DQ_TABLE_GRADS = {128: BlockSizes(64, 32, 4, 3)}
+
+
 @functools.cache
-def default_block_sizes(dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16) -> BlockSizes:
+def default_block_sizes(
+    dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, table_grads: bool = False
+) -> BlockSizes:
     """Tiles of kernel ``fwd`` / ``dkdv`` / ``dq`` / ``fused`` for head dim ``dim``: tiny tiles
-    in interpret mode, small FMA tiles for fp32, the tuned table for 16-bit inputs on CUDA."""
+    in interpret mode, small FMA tiles for fp32, the tuned table for 16-bit inputs on CUDA
+    (``table_grads``: the dq kernel also reduces bias-table gradients)."""
     if kernel not in TILE_KERNELS:
         raise ValueError(f"kernel must be one of {TILE_KERNELS}, got {kernel!r}")
     if is_interpret_mode():
@@ -98,7 +110,10 @@ def default_block_sizes(dim: int, kernel: str, dtype: torch.dtype = torch.bfloat
         return BlockSizes(64, 32, 4, 1) if kernel == "fwd" else BlockSizes(32, 32, 4, 1)
     if dim > 256:
         return BlockSizes(32, 32, 8, 1)  # untuned: small tiles keep the accumulators in registers
-    return _TUNED[max(64, triton.next_power_of_2(dim))][kernel]
+    key = max(64, triton.next_power_of_2(dim))
+    if kernel == "dq" and table_grads and key in _TUNED_DQ_TABLE_GRADS:
+        return _TUNED_DQ_TABLE_GRADS[key]
+    return _TUNED[key][kernel]
 
 
 def default_backward(dim: int, dtype: torch.dtype = torch.bfloat16) -> str:

@@ -329,15 +329,16 @@ def _resolve_backward(backward, q, v, rab_pos, rab_time) -> str:
 
 
 def _resolve_blocks(
-    block_sizes, q, v, backward: str = "split"
+    block_sizes, q, v, backward: str = "split", table_grads: bool = False
 ) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
     """(forward, dk/dv, dq) tiles; the fused backward runs on the dk/dv slot, whose default is
-    then the fused kernel's."""
+    then the fused kernel's; ``table_grads``: a bias table requires grad (the dq kernel's
+    default tiles are then those for reducing its gradient)."""
     dim = max(q.shape[2], v.shape[2])
 
     def default(kernel):
         fused = backward == "fused" and kernel == "dkdv"
-        return default_block_sizes(dim, "fused" if fused else kernel, q.dtype)
+        return default_block_sizes(dim, "fused" if fused else kernel, q.dtype, table_grads)
 
     return resolve_tiles(block_sizes, BlockSizes, default)
 
@@ -349,7 +350,8 @@ def _op_args(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp
     mode)`` (timestamps only where rab_time reads them)."""
     _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt)
     mode = _resolve_backward(backward, q, v, rp, rt)
-    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode)
+    table_grads = any(t is not None and t.requires_grad for t in (rp, rt))
+    fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode, table_grads)
     blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
     return (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), nc, nk,
             ts if rt is not None else None, rp, rt, blocks, mode)  # fmt: skip
