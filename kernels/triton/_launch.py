@@ -87,12 +87,12 @@ _DEFAULT_BACKWARD = {64: "split", 128: "split", 256: "split"}
 
 
 # dq tiles where it also reduces bias-table gradients (the per-bucket sums of the time table,
-# the position table's atomics): at head dim 128 the 64 x 64 tiles spill in that loop. One
-# H100, 4 x 4096 tokens, 4 heads, dq kernel with rab_time gradients, float64 buckets: 2.48 ms
-# (64 x 64) vs 0.97 ms (64 x 32, 3 stages) with 32 buckets, 1.33 vs 0.97 ms with 16; without
-# table gradients 64 x 64 stays the faster (0.44 vs 0.45 ms). Head dim 256 already takes
-# 64 x 32 x 3 stages; 64 not measured.
-_TUNED_DQ_TABLE_GRADS = {128: BlockSizes(64, 32, 4, 3)}
+# the position table's atomics): the 64 x 64 tiles spill in that loop. One H100, 4 x 4096
+# tokens, 4 heads, dq kernel with rab_time gradients, float64 buckets, 16 / 32 buckets:
+# head dim 128 2.48 / 1.33 ms (64 x 64) vs 0.97 / 0.97 ms (64 x 32, 3 stages); head dim 64
+# 0.95 / 1.17 vs 0.72 / 0.73 ms. Without table gradients 64 x 64 stays the faster (head dim
+# 128: 0.44 vs 0.45 ms). Head dim 256 already takes 64 x 32 x 3 stages.
+_TUNED_DQ_TABLE_GRADS = {64: BlockSizes(64, 32, 4, 3), 128: BlockSizes(64, 32, 4, 3)}
 
 
 @functools.cache

@@ -494,11 +494,11 @@ def test_default_tiles_per_head_dim_and_kernel():
             for kernel in _launch.TILE_KERNELS:
                 assert _launch.default_block_sizes(dim, kernel) == tuned[row][kernel]
         assert _launch.default_block_sizes(512, "fwd").block_m <= 32
-        # the dq kernel's tiles where it reduces bias-table gradients, at head dims 96 / 128
-        for dim in (96, 128):
+        # the dq kernel's tiles where it reduces bias-table gradients (head dims <= 128)
+        for dim, row in ((32, 64), (64, 64), (96, 128), (128, 128)):
             grads = _launch.default_block_sizes(dim, "dq", table_grads=True)
-            assert grads == _launch._TUNED_DQ_TABLE_GRADS[128] != tuned[128]["dq"]
-        assert _launch.default_block_sizes(64, "dq", table_grads=True) == tuned[64]["dq"]
+            assert grads == _launch._TUNED_DQ_TABLE_GRADS[row] != tuned[row]["dq"]
+        assert _launch.default_block_sizes(256, "dq", table_grads=True) == tuned[256]["dq"]
     for row in tuned.values():
         assert set(row) == set(_launch.TILE_KERNELS)
     assert tuned[256]["dkdv"] != tuned[256]["dq"]  # D=256: the dk/dv kernel's own tile
