@@ -3,7 +3,7 @@
     python -m hstu_kernels.triton.bench_bias [--seqlen 4096] [--batch 4] [--heads 4] [--dim 128]
 
 One row per bias set-up (none; ``rab_pos`` with one bucket per distance or with a clamped last
-bucket, in bf16 or fp32; ``rab_time`` with int32 or int64 bucket math; both): forward,
+bucket, in bf16 or fp32; ``rab_time`` with 16 or 32 buckets; both): forward,
 forward + backward with the table gradients, and forward + backward without them. bf16 inputs,
 causal mask, FLOPs as in ``bench`` (unmasked pairs; forward + backward = 3.5 x forward).
 """
@@ -24,8 +24,8 @@ def _variants(seqlen: int) -> dict[str, dict]:
         f"pos P={seqlen} bf16": dict(rab_pos=(seqlen, bf16)),
         f"pos P={seqlen} fp32": dict(rab_pos=(seqlen, fp32)),
         "pos P=128 bf16 (clamped)": dict(rab_pos=(128, bf16)),
-        "time TB=16 bf16 (int32)": dict(rab_time=(16, bf16)),
-        "time TB=32 bf16 (int64)": dict(rab_time=(32, bf16)),
+        "time TB=16 bf16": dict(rab_time=(16, bf16)),
+        "time TB=32 bf16": dict(rab_time=(32, bf16)),
         f"pos P={seqlen} + time TB=16": dict(rab_pos=(seqlen, bf16), rab_time=(16, bf16)),
     }
 
