@@ -36,35 +36,12 @@ def cases(equal: tuple[int, int] = (8, 4096)):
     return out
 
 
-def _torch_timer(calls: int, rounds: int):
+def _graph_timer(calls: int, rounds: int):
     """Device ms per call: ``calls`` calls captured in one CUDA graph, replayed ``rounds``
     times between events (no host launch work in the figure)."""
-    import torch
+    from hstu_kernels.triton.bench import graph_time_ms
 
-    def timed(fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        return statistics.median(times)
-
-    return timed
+    return lambda fn: graph_time_ms(fn, calls, rounds)
 
 
 def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None):
@@ -100,18 +77,10 @@ def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False
 
 def _torch_profile(fn, calls: int = 5):
     """Per-kernel device time of one call (torch.profiler, mean over ``calls``)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from hstu_kernels.triton.bench import kernel_profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]:
-        ms = ev.device_time_total / calls / 1e3
-        print(f"  {ev.key[:48]:>48} {ms:8.3f} ms x{ev.count // calls}")
+    for name, ms, count in kernel_profile(fn, calls)[:6]:
+        print(f"  {name[:48]:>48} {ms:8.3f} ms x{count}")
 
 
 def _triton_resources():
@@ -218,7 +187,7 @@ def main(argv=None) -> None:
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
-    timed = _torch_timer(args.calls, args.rounds) if args.backend == "torch" else None
+    timed = _graph_timer(args.calls, args.rounds) if args.backend == "torch" else None
     for name, lengths, cand, ctx, max_seqlen in cases():
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         if args.backend == "torch":

@@ -146,12 +146,20 @@ print('torchrec', torchrec.__version__)" ;;
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
     bias)
-      # what the attention biases cost the Triton kernel (kernels/triton/bench_bias.py), on
-      # $AB_BEFORE/kernels (when set) and on kernels/, alternating, two rounds; $BIAS_ARGS
+      # what the attention biases cost the Triton kernel (kernels/triton/bench_bias.py): the
+      # kernels of each tree in $AB_BEFORE (space-separated; each timed by this tree's
+      # bench_bias) and of kernels/, alternating, two rounds; $BIAS_ARGS
       for round in 1 2; do
-        for side in ${AB_BEFORE:+before} after; do
-          dir=$PWD/kernels; [ $side = before ] && dir=$AB_BEFORE/kernels
-          ln -sfn "$dir" /tmp/hstu-path/hstu_kernels
+        i=0
+        for dir in ${AB_BEFORE:-} ""; do
+          if [ -n "$dir" ]; then
+            side=$(basename "$dir"); i=$((i + 1))
+            rm -rf "/tmp/ab-k/$i" && mkdir -p /tmp/ab-k && cp -r "$dir/kernels" "/tmp/ab-k/$i"
+            cp kernels/triton/bench.py kernels/triton/bench_bias.py "/tmp/ab-k/$i/triton/"
+            ln -sfn "/tmp/ab-k/$i" /tmp/hstu-path/hstu_kernels
+          else
+            side=after; ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels
+          fi
           run "bias_${side}_$round" python -m hstu_kernels.triton.bench_bias ${BIAS_ARGS:-}
         done
       done

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    _add,
     _block_start,
     _dot,
     _key_ranges,
@@ -203,6 +204,32 @@ def _hstu_bwd_fused_kernel(
 
 
 @triton.jit
+def _pos_grad_diagonals(DRabPos, dz, d0, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds a dq tile's ``dz`` into ``DRabPos[min(|d0 + r - c|, P - 1)]`` (row r, column c):
+    each diagonal ``r - c`` summed first, so ``BLOCK_M + BLOCK_N - 1`` atomics per tile
+    instead of one per pair (the per-pair atomics queue at the L2)."""
+    if BLOCK_M >= BLOCK_N:
+        _pos_grad_sum_diagonals(DRabPos, dz, d0, P, BLOCK_M, BLOCK_N, 2 * BLOCK_M)
+    else:
+        _pos_grad_sum_diagonals(DRabPos, dz, d0, P, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
+
+
+@triton.jit
+def _pos_grad_sum_diagonals(
+    DRabPos, dz, d0, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr
+):  # fmt: skip
+    # row y of the gathered [W, BLOCK_N] tile holds diagonal r - c = y - (BLOCK_N - 1): its
+    # element in column c is dz[y + c - (BLOCK_N - 1), c], zero where that row is outside
+    y = tl.arange(0, W)
+    r = y[:, None] + tl.arange(0, BLOCK_N)[None, :] - (BLOCK_N - 1)
+    inside = (r >= 0) & (r < BLOCK_M)
+    diag = tl.gather(dz, tl.minimum(tl.maximum(r, 0), BLOCK_M - 1), 0)
+    sums = tl.reduce(tl.where(inside, diag, 0.0), 1, _add)
+    dist = tl.minimum(tl.abs(d0 + y - (BLOCK_N - 1)), P - 1)
+    tl.atomic_add(DRabPos + dist, sums, mask=y < BLOCK_M + BLOCK_N - 1, sem="relaxed")
+
+
+@triton.jit
 def _dq_tile(
     dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, DRabPos,
     seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
@@ -234,25 +261,30 @@ def _dq_tile(
     if POS_GRAD == 1:  # P >= max_seqlen: no pair distance is clamped into the last bucket
         pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
         tl.atomic_add(DRabPos + pos_idx, dz, mask=mask, sem="relaxed")
-    if POS_GRAD == 2:
-        # The clamped bucket P - 1 gathers every pair at distance >= P - 1: sum it in registers
-        # and add it once per tile (per-pair atomics there queue every program on one address,
-        # 45x slower). Buckets below P - 1: one atomic per pair, skipped for far tiles.
-        d_lo = m0 - (start_n + BLOCK_N - 1)  # i - j over the tile
-        d_hi = m0 + BLOCK_M - 1 - start_n
+    if POS_GRAD >= 2:
+        d0 = m0 - start_n  # i - j at the tile's corner (0, 0); r - c added per pair
+        d_lo = d0 - (BLOCK_N - 1)
+        d_hi = d0 + BLOCK_M - 1
         dist_min = tl.where((d_lo <= 0) & (d_hi >= 0), 0, tl.minimum(tl.abs(d_lo), tl.abs(d_hi)))
-        dist_max = tl.maximum(tl.abs(d_lo), tl.abs(d_hi))
-        pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
         if dist_min < P - 1:
-            near = pos_idx < P - 1
-            if MASKED:
-                near = near & mask
-            tl.atomic_add(DRabPos + pos_idx, dz, mask=near, sem="relaxed")
-        if dist_max >= P - 1:
-            far = _reduce_sum(tl.where(pos_idx == P - 1, dz, 0.0))  # dz is 0 where masked
-            tl.atomic_add(DRabPos + (P - 1), far, sem="relaxed")
+            if POS_GRAD == 3:
+                _pos_grad_diagonals(DRabPos, dz, d0, P, BLOCK_M, BLOCK_N)
+            else:
+                # one atomic per pair below the clamped bucket P - 1; the pairs in it summed
+                # in registers and added once (per-pair atomics there would queue every
+                # program on one address, 45x slower)
+                pos_idx = tl.minimum(tl.abs(qi - kj), P - 1)
+                near = pos_idx < P - 1
+                if MASKED:
+                    near = near & mask
+                tl.atomic_add(DRabPos + pos_idx, dz, mask=near, sem="relaxed")
+                if tl.maximum(tl.abs(d_lo), tl.abs(d_hi)) >= P - 1:
+                    far = _reduce_sum(tl.where(pos_idx == P - 1, dz, 0.0))
+                    tl.atomic_add(DRabPos + (P - 1), far, sem="relaxed")
+        else:  # every pair in the clamped last bucket: one sum (dz is 0 where masked)
+            tl.atomic_add(DRabPos + (P - 1), _reduce_sum(dz), sem="relaxed")
     if TIME_GRAD:
-        # few distinct buckets per tile: reduce each in registers, no contended atomics
+        # few distinct buckets per tile: each summed in registers, no contended atomics
         tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME)
         if MASKED:
             lo_b = _reduce_min(tl.where(mask, tb, BLOCK_TB))
@@ -260,10 +292,18 @@ def _dq_tile(
         else:
             lo_b = _reduce_min(tb)
             hi_b = _reduce_max(tb)
-        offs_tb = tl.arange(0, BLOCK_TB)
-        for t in range(lo_b, hi_b + 1):
-            part = _reduce_sum(tl.where(tb == t, dz, 0.0))
-            dtime += tl.where(offs_tb == t, part, 0.0)
+        if TIME_GRAD == 2:
+            # a row sum per bucket (within each warp) into the bucket's column of a
+            # [BLOCK_M, BLOCK_TB] accumulator, summed across rows once per program
+            col = tl.arange(0, BLOCK_TB)[None, :]
+            for t in range(lo_b, hi_b + 1):
+                part = tl.reduce(tl.where(tb == t, dz, 0.0), 1, _add)
+                dtime = tl.where(col == t, dtime + part[:, None], dtime)
+        else:  # a CTA-wide sum per bucket into a [BLOCK_TB] vector: fewer registers
+            offs_tb = tl.arange(0, BLOCK_TB)
+            for t in range(lo_b, hi_b + 1):
+                part = _reduce_sum(tl.where(tb == t, dz, 0.0))
+                dtime += tl.where(offs_tb == t, part, 0.0)
     return dq, dtime
 
 
@@ -309,7 +349,10 @@ def _hstu_bwd_dq_kernel(
         if HAS_TIME:
             ts_q = _ts_load(Ts, rows_m, in_m, ts_lo, HAS_TIME)[:, None]
         dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
-        dtime = tl.full([BLOCK_TB], 0.0, tl.float32)
+        if TIME_GRAD == 2:
+            dtime = tl.full([BLOCK_M, BLOCK_TB], 0.0, tl.float32)
+        else:
+            dtime = tl.full([BLOCK_TB], 0.0, tl.float32)
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):
             dq, dtime = _dq_tile(
@@ -331,4 +374,6 @@ def _hstu_bwd_dq_kernel(
         _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:
             offs_tb = tl.arange(0, BLOCK_TB)
+            if TIME_GRAD == 2:
+                dtime = tl.reduce(dtime, 0, _add)
             tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")

@@ -249,12 +249,32 @@ def _outputs(like, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _pos_grad_mode(pos_grad: bool, num_buckets: int, max_seqlen: int) -> int:
-    """dq kernel's rab_pos gradient: 0 none; 1 per-pair atomics (no pair distance is clamped
-    into the last bucket); 2 the clamped last bucket summed per tile first."""
-    if not pos_grad:
-        return 0
-    return 1 if num_buckets >= max_seqlen else 2
+def _table_grad_modes(
+    pos_grad: bool, time_grad: bool, dim: int, num_pos: int, max_seqlen: int
+) -> tuple[int, int]:
+    """How the dq kernel reduces the bias-table gradients, (POS_GRAD, TIME_GRAD).
+
+    rab_pos: 0 none; 1 one atomic per pair (``num_pos >= max_seqlen``: no pair is clamped
+    into the last bucket); 2 the same below the clamped last bucket, whose pairs are summed
+    per tile; 3 each tile's diagonals summed first, one atomic per diagonal, through a gather
+    (registers and shuffles). rab_time: 0 none; 1 a CTA-wide sum per bucket per tile; 2 a
+    row sum per bucket into a [BLOCK_M, BLOCK_TB] accumulator (no cross-warp sum per bucket,
+    a tile's worth of registers more). Measured on one H200, dq kernel
+    (``bench_bias --kernels``; docs/BENCHMARKS.md): the gather and the accumulator pay where
+    the registers are there and spill beside each other, so the diagonals go with no time
+    gradient only, and at head dim > 64 the accumulator with no position gradient only."""
+    pos = 0
+    if pos_grad:
+        pos = (1 if num_pos >= max_seqlen else 2) if time_grad else 3
+    time = (1 if pos_grad and dim > 64 else 2) if time_grad else 0
+    return pos, time
+
+
+def _block_tb(num_buckets: int, time_mode: int, bs: BlockSizes) -> int:
+    """The dq kernel's time-gradient width: a power of two >= the buckets, and with the
+    accumulator (mode 2) >= the key tile, so it shares the scores' register layout."""
+    width = max(16, triton.next_power_of_2(num_buckets))
+    return max(width, bs.block_n) if time_mode == 2 else width
 
 
 def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_, bs):
@@ -344,13 +364,16 @@ def _bwd_impl(
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
+                pos_mode, time_mode = _table_grad_modes(
+                    pos_grad, time_grad, q.shape[2], P, max_seqlen
+                )
                 for has_time in paths:
                     _hstu_bwd_dq_kernel[grid](
                         q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
                         *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
-                        BLOCK_TB=max(16, triton.next_power_of_2(TB)) if time_grad else 16,
-                        POS_GRAD=_pos_grad_mode(pos_grad, P, max_seqlen), TIME_GRAD=time_grad,
+                        BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
+                        TIME_GRAD=time_mode,
                         OUT_LIKE_IN=dq_like,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
                     )  # fmt: skip

@@ -33,6 +33,52 @@ def _time_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, calls: int, rounds: int) -> float:
+    """Median device ms per call of ``fn()``: ``calls`` calls captured in one CUDA graph
+    (after two warm-up calls on a side stream), the graph replayed ``rounds`` times between
+    CUDA events. The host's launch work is not in the figure, only what the kernels cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def kernel_profile(fn, calls: int) -> list[tuple[str, float, int]]:
+    """(kernel name, device ms per call, launches per call) of ``fn()``, slowest first:
+    torch.profiler over ``calls`` calls after one warm-up call, totals divided by ``calls``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (ev.key, ev.device_time_total / calls / 1e3, ev.count // calls)
+        for ev in prof.key_averages()
+        if ev.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def _make_case(seqlen, batch, heads, dim, dtype, rab, num_contextual, num_candidates):
     dev = torch.device("cuda")
     T = seqlen * batch

@@ -364,26 +364,66 @@ def test_uvqk_attention_validation(mode):
                           out=[torch.zeros(5, 2, 8, device=dev)] * 3)  # fmt: skip
 
 
-@pytest.mark.parametrize("pos_buckets", ["few", "all"])
+# (POS_GRAD, TIME_GRAD) of the dq kernel (``_launch._table_grad_modes``): time 0 = no time table
+# pos mode 1 is for tables without a clamped bucket ("all"), as the launch picks it
+TABLE_GRAD_MODES = [
+    (buckets, modes)
+    for modes in [(3, 0), (2, 0), (1, 1), (2, 1), (2, 2), (1, 2), (3, 2), (3, 1)]
+    for buckets in ("few", "all")
+    if modes[0] != 1 or buckets == "all"
+]
+
+
+@pytest.mark.parametrize(
+    ("pos_buckets", "modes"),
+    TABLE_GRAD_MODES,
+    ids=[f"{b}-pos{p}-time{t}" for b, (p, t) in TABLE_GRAD_MODES],
+)
 @pytest.mark.parametrize("mode", MODES)
-def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, monkeypatch):
-    """rab_pos gradient on both paths of the dq kernel: a last bucket that collects whole far
-    tiles (summed per tile), and one bucket per distance (per-pair atomics only)."""
+def test_rab_pos_grad_with_and_without_clamped_bucket(mode, pos_buckets, modes, monkeypatch):
+    """Bias-table gradients on every path of the dq kernel, forced: rab_pos by diagonal sums
+    per tile (3) or one atomic per pair (1: no clamped bucket; 2: the clamped last bucket
+    summed per tile), with one bucket per distance or a clamped last bucket (shared by several
+    diagonals; tiles wholly in it summed once), beside rab_time by a row-sum accumulator (2)
+    or per-bucket sums (1)."""
     cfg = SHAPES[mode]
     num = 3 if pos_buckets == "few" else cfg["max_seqlen"]
     monkeypatch.setitem(cfg, "P", num)
-    qkv, offsets, kw, tables, grad_out, _ = _make_inputs(mode, "ctx_cand_pos", torch.float32, 7)
-    assert _launch._pos_grad_mode(True, num, kw["max_seqlen"]) == (2 if num == 3 else 1)
-    leaves = [x.clone().requires_grad_() for x in [*qkv, tables["rab_pos"]]]
+    monkeypatch.setattr(_launch, "_table_grad_modes", lambda *_: modes)
+    case = "ctx_cand_rab" if modes[1] else "ctx_cand_pos"
+    qkv, offsets, kw, tables, grad_out, _ = _make_inputs(mode, case, torch.float32, 7)
+    names = list(tables)
+    leaves = [x.clone().requires_grad_() for x in [*qkv, *tables.values()]]
     ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
     blocks = cfg["blocks"]["default"]
-    out = hstu_attention(*leaves[:3], offsets, **kw, rab_pos=leaves[3], block_sizes=blocks)
-    ref = hstu_attention_reference(*ref_leaves[:3], offsets, **kw, rab_pos=ref_leaves[3])
-    (g,) = torch.autograd.grad(out, leaves[3], grad_out)
-    (rg,) = torch.autograd.grad(ref, ref_leaves[3], grad_out)
-    _assert_close(g, rg, 1e-4, "drab_pos")
+    out = hstu_attention(*leaves[:3], offsets, **kw, **dict(zip(names, leaves[3:], strict=True)),
+                         block_sizes=blocks)  # fmt: skip
+    ref = hstu_attention_reference(
+        *ref_leaves[:3], offsets, **kw, **dict(zip(names, ref_leaves[3:], strict=True))
+    )
+    grads = torch.autograd.grad(out, leaves[3:], grad_out)
+    ref_grads = torch.autograd.grad(ref, ref_leaves[3:], grad_out)
+    for name, g, rg in zip(names, grads, ref_grads, strict=True):
+        _assert_close(g, rg, 1e-4, f"d{name}")
+    rg = ref_grads[0]
     far = min(num, max(cfg["lengths"])) - 1  # the clamped bucket, or the longest distance
     assert rg[:, far].abs().min() > 0, f"bucket {far} must collect pairs in this case"
+
+
+def test_table_grad_modes_per_head_dim():
+    """The measured choice (docs/BENCHMARKS.md): the diagonal sums with no time gradient, the
+    time accumulator unless it sits beside the position gradient at head dim > 64."""
+
+    def modes(pos, time, dim, num_pos=4096):
+        return _launch._table_grad_modes(pos, time, dim, num_pos, 4096)
+
+    assert modes(True, False, 128) == (3, 0) and modes(True, False, 32, 128) == (3, 0)
+    assert modes(True, True, 128) == (1, 1) and modes(True, True, 128, 128) == (2, 1)
+    assert modes(True, True, 32) == (1, 2) and modes(True, True, 32, 128) == (2, 2)
+    assert modes(False, True, 128) == (0, 2) and modes(False, False, 64) == (0, 0)
+    tiles = BlockSizes(64, 32, 4, 3)
+    assert _launch._block_tb(16, 2, tiles) == 32 and _launch._block_tb(16, 1, tiles) == 16
+    assert _launch._block_tb(40, 2, tiles) == 64 and _launch._block_tb(3, 1, tiles) == 16
 
 
 # timestamps of the exactness test: as listed (float64 buckets), shifted near the int64 top
