@@ -133,11 +133,14 @@ print('torchrec', torchrec.__version__)" ;;
       ab_overrides workers "data.workers=0|data.workers=2" "${WORKERS_BATCHES:-8 32}" 2 ;;
     kab)
       # kernel A/B: scripts/attention_jagged.py (bench_upstream's jagged batches, back-to-back
-      # device time) on $AB_BEFORE/kernels and on kernels/, alternating, for $KAB_BACKENDS
+      # device time) on $AB_BEFORE/kernels and on kernels/, alternating, for $KAB_BACKENDS;
+      # the before tree gets this tree's timers (kernels/triton/bench.py)
+      rm -rf /tmp/ab-k/kab && mkdir -p /tmp/ab-k && cp -r "$AB_BEFORE/kernels" /tmp/ab-k/kab
+      cp kernels/triton/bench.py /tmp/ab-k/kab/triton/
       for backend in ${KAB_BACKENDS:-torch jax}; do
         for round in 1 2; do
           for side in before after; do
-            dir=$PWD/kernels; [ $side = before ] && dir=$AB_BEFORE/kernels
+            dir=$PWD/kernels; [ $side = before ] && dir=/tmp/ab-k/kab
             ln -sfn "$dir" /tmp/hstu-path/hstu_kernels
             run "kab_${backend}_${side}_$round" python scripts/attention_jagged.py \
               --backend $backend ${KAB_ARGS:-}

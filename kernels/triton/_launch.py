@@ -259,10 +259,11 @@ def _table_grad_modes(
     per tile; 3 each tile's diagonals summed first, one atomic per diagonal, through a gather
     (registers and shuffles). rab_time: 0 none; 1 a CTA-wide sum per bucket per tile; 2 a
     row sum per bucket into a [BLOCK_M, BLOCK_TB] accumulator (no cross-warp sum per bucket,
-    a tile's worth of registers more). Measured on one H200, dq kernel
-    (``bench_bias --kernels``; docs/BENCHMARKS.md): the gather and the accumulator pay where
-    the registers are there and spill beside each other, so the diagonals go with no time
-    gradient only, and at head dim > 64 the accumulator with no position gradient only."""
+    a tile's worth of registers more). Measured at head dims 128 and 32 on an H200 and an
+    H100, dq kernel (``bench_bias --kernels``; docs/BENCHMARKS.md): the gather and the
+    accumulator pay where the registers are there and spill beside each other at head dim
+    128, so the diagonals go with no time gradient only, and at head dim > 64 (64 itself
+    not measured) the accumulator with no position gradient only."""
     pos = 0
     if pos_grad:
         pos = (1 if num_pos >= max_seqlen else 2) if time_grad else 3
