@@ -17,11 +17,19 @@ byte. The token capacity T (HSTU tokens per rank, the model's sequence buffer) i
 T/2, ...), so jit sees one shape per octave of load, or per capacity of a
 `hstu.capacity.CapacityPolicy` when the caller passes one (training does); the spec is the
 static part of the pytree, hence the jit cache key.
+
+On the way to the device every leaf of a rank rides in one int32 row (`PackedBatch`: the
+leaves at static offsets of the spec, `packed_layout`), so a batch is one host-to-device copy
+whatever its number of keys; a program that reads the batch slices the leaves out of that row
+(`PackedBatch.lengths` etc., the same arrays as `DeviceBatch`'s), which XLA fuses into their
+readers. A device exchange yields a `DeviceBatch`; every reader takes either.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -162,6 +170,77 @@ class DeviceBatch:
     spec: BatchSpec = dataclasses.field(metadata={"static": True})
 
 
+@functools.cache
+def packed_layout(spec: BatchSpec) -> tuple[tuple[str, str, int, tuple[int, ...]], ...]:
+    """Where each leaf of a rank sits in its packed row: `(field, key, offset, shape)`, field
+    one of lengths / values / dense / num_real (key ""), shape the leaf's per-rank shape."""
+    out, off = [], 0
+    b = spec.batch_size
+    fields = [("lengths", k, (b,)) for k in spec.keys]
+    fields += [("values", k, (c,)) for k, c in zip(spec.keys, spec.capacities, strict=True)]
+    fields += [
+        ("dense", k, (b, *s)) for k, s in zip(spec.dense_keys, spec.dense_shapes, strict=True)
+    ]
+    fields.append(("num_real", "", ()))
+    for field, key, shape in fields:
+        out.append((field, key, off, shape))
+        off += math.prod(shape)
+    return tuple(out)
+
+
+def packed_width(spec: BatchSpec) -> int:
+    _, _, off, shape = packed_layout(spec)[-1]
+    return off + math.prod(shape)
+
+
+def _unpack(buf, spec: BatchSpec) -> dict:
+    """The leaves of `buf` `[..., width]` (numpy or jax, any leading dims)."""
+    lead = buf.shape[:-1]
+    out = {"lengths": {}, "values": {}, "dense": {}}
+    for field, key, off, shape in packed_layout(spec):
+        x = buf[..., off : off + math.prod(shape)].reshape(lead + shape)
+        if field == "num_real":
+            out[field] = x
+        else:
+            out[field][key] = x
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PackedBatch:
+    """A DeviceBatch whose leaves ride in one int32 row per rank (`buffer` `[W, width]`;
+    inside shard_map `[1, width]`, after `local_view` `[width]`): one transfer per batch.
+
+    Reads like a DeviceBatch: `lengths`, `values`, `dense`, `num_real` slice the row (inside a
+    jitted program XLA fuses the slices into their readers; outside one they are eager ops)."""
+
+    buffer: jax.Array
+    spec: BatchSpec = dataclasses.field(metadata={"static": True})
+
+    def unpack(self) -> DeviceBatch:
+        leaves = _unpack(self.buffer, self.spec)
+        return DeviceBatch(
+            leaves["lengths"], leaves["values"], leaves["dense"], leaves["num_real"], self.spec
+        )
+
+    @property
+    def lengths(self) -> dict[str, jax.Array]:
+        return self.unpack().lengths
+
+    @property
+    def values(self) -> dict[str, jax.Array]:
+        return self.unpack().values
+
+    @property
+    def dense(self) -> dict[str, jax.Array]:
+        return self.unpack().dense
+
+    @property
+    def num_real(self) -> jax.Array:
+        return self.unpack().num_real
+
+
 def local_view(batch: DeviceBatch) -> DeviceBatch:
     """Inside shard_map: drop the rank dim of size 1 (the model is single-rank code)."""
     return jax.tree.map(lambda x: x[0], batch)
@@ -194,33 +273,46 @@ def _widen(arr: np.ndarray, dtype: str) -> np.ndarray:
     return arr.view(np.float32) if dt == np.float32 else arr.astype(dt)
 
 
+def pack_host(batches: Sequence[JaggedBatch], spec: BatchSpec) -> np.ndarray:
+    """Per-rank batches -> their packed rows `[len(batches), width]` int32 (`packed_layout`):
+    every leaf narrowed to 32 bits (exact, or HSTUError naming it), values zero after their
+    count (capacity padding, never read)."""
+    out = np.zeros((len(batches), packed_width(spec)), np.int32)
+    for field, key, off, shape in packed_layout(spec):
+        n = math.prod(shape)
+        for r, b in enumerate(batches):
+            if field == "num_real":
+                out[r, off] = b.actual_batch_size
+            elif field == "values":
+                v = _narrow(b.values[key], f"values['{key}']")
+                if v.shape[0] > n:
+                    raise HSTUError(
+                        f"values['{key}'] of local rank {r} hold {v.shape[0]} entries, "
+                        f"over the capacity {n} of the batch spec"
+                    )
+                out[r, off : off + v.shape[0]] = v
+            else:
+                src = b.lengths[key] if field == "lengths" else b.dense[key]
+                v = _narrow(src, f"{field}['{key}']")
+                if v.shape != shape:
+                    raise HSTUError(
+                        f"{field}['{key}'] of local rank {r} has shape {v.shape}, "
+                        f"the batch spec {shape}"
+                    )
+                out[r, off : off + n] = v.reshape(-1)
+    return out
+
+
 def host_arrays(batches: Sequence[JaggedBatch], spec: BatchSpec) -> dict:
     """Per-rank batches -> numpy leaves of a DeviceBatch (leading dim = len(batches))."""
-    out = {"lengths": {}, "values": {}, "dense": {}}
-    for key, cap in zip(spec.keys, spec.capacities, strict=True):
-        out["lengths"][key] = np.stack(
-            [_narrow(b.lengths[key], f"lengths['{key}']") for b in batches]
-        )
-        vals = np.zeros((len(batches), cap), np.int32)
-        for r, b in enumerate(batches):
-            v = _narrow(b.values[key], f"values['{key}']")
-            if v.shape[0] > cap:
-                raise HSTUError(
-                    f"values['{key}'] of local rank {r} hold {v.shape[0]} entries, "
-                    f"over the capacity {cap} of the batch spec"
-                )
-            vals[r, : v.shape[0]] = v
-        out["values"][key] = vals
-    for key in spec.dense_keys:
-        out["dense"][key] = np.stack([_narrow(b.dense[key], f"dense['{key}']") for b in batches])
-    out["num_real"] = np.asarray([b.actual_batch_size for b in batches], np.int32)
-    return out
+    return _unpack(pack_host(batches, spec), spec)
 
 
 def to_device(
     batches: Sequence[JaggedBatch], sharding: jax.sharding.Sharding, spec: BatchSpec | None = None
-) -> DeviceBatch:
-    """This process's per-rank batches -> a global DeviceBatch sharded over the data axis.
+) -> PackedBatch:
+    """This process's per-rank batches -> a global batch sharded over the data axis, in one
+    copy (`PackedBatch`: one int32 row per rank).
 
     `batches` are the ranks this process drives, in mesh order (single process: all W). The
     copy is asynchronous. Multi-process callers must pass a spec agreed on by every process
@@ -234,7 +326,7 @@ def to_device_with(
     sharding: jax.sharding.Sharding,
     spec: BatchSpec | None = None,
     scalars: Mapping[str, np.generic | np.ndarray] | None = None,
-) -> tuple[DeviceBatch, dict[str, jax.Array]]:
+) -> tuple[PackedBatch, dict[str, jax.Array]]:
     """`to_device`, plus host `scalars` placed replicated over the mesh (`P()`), returned by
     name with their host dtypes.
 
@@ -245,7 +337,7 @@ def to_device_with(
     values (multi-process: each process supplies its copy, nothing checks them).
     """
     spec = spec or spec_from_batches(batches)
-    host = host_arrays(batches, spec)
+    rows = pack_host(batches, spec)
     scal = {k: np.asarray(v) for k, v in (scalars or {}).items()}
     if any(v.ndim for v in scal.values()):
         shapes = {k: v.shape for k, v in scal.items()}
@@ -255,20 +347,15 @@ def to_device_with(
     replicated = NamedSharding(sharding.mesh, P()) if scal else sharding  # ({}: no leaves)
     world = sharding.mesh.devices.size if hasattr(sharding, "mesh") else len(batches)
     if sharding.is_fully_addressable:  # one process holds every rank: one batched transfer
-        dev, put = jax.device_put((host, scal), (sharding, replicated))
+        buffer, put = jax.device_put((rows, scal), (sharding, replicated))
     else:
-
-        def put_rows(x):
-            return jax.make_array_from_process_local_data(sharding, x, (world, *x.shape[1:]))
-
-        dev = jax.tree.map(put_rows, host)
+        buffer = jax.make_array_from_process_local_data(sharding, rows, (world, rows.shape[1]))
         # Each process's copy of the replicated value, not `device_put` of host data onto a
         # multi-process sharding: that first checks, with a collective, that they agree.
         put = {
             k: jax.make_array_from_process_local_data(replicated, v, ()) for k, v in scal.items()
         }
-    batch = DeviceBatch(dev["lengths"], dev["values"], dev["dense"], dev["num_real"], spec)
-    return batch, put
+    return PackedBatch(buffer, spec), put
 
 
 def local_rows(x: jax.Array) -> np.ndarray:
@@ -279,13 +366,19 @@ def local_rows(x: jax.Array) -> np.ndarray:
     return np.concatenate([np.asarray(s.data) for s in shards])
 
 
-def to_jagged(batch: DeviceBatch) -> list[JaggedBatch]:
+def to_jagged(batch: DeviceBatch | PackedBatch) -> list[JaggedBatch]:
     """DeviceBatch -> the per-rank JaggedBatches this process holds (host dtypes restored)."""
     spec = batch.spec
-    lengths = {k: local_rows(batch.lengths[k]) for k in spec.keys}
-    values = {k: local_rows(batch.values[k]) for k in spec.keys}
-    dense = {k: local_rows(batch.dense[k]) for k in spec.dense_keys}
-    num_real = local_rows(batch.num_real)
+    if isinstance(batch, PackedBatch):  # this process's rows, split on the host
+        host = _unpack(local_rows(batch.buffer), spec)
+        lengths, values, dense, num_real = (
+            host[f] for f in ("lengths", "values", "dense", "num_real")
+        )
+    else:
+        lengths = {k: local_rows(batch.lengths[k]) for k in spec.keys}
+        values = {k: local_rows(batch.values[k]) for k in spec.keys}
+        dense = {k: local_rows(batch.dense[k]) for k in spec.dense_keys}
+        num_real = local_rows(batch.num_real)
     out = []
     for r in range(num_real.shape[0]):
         lens = {k: lengths[k][r].astype(np.int64) for k in spec.keys}

@@ -58,6 +58,42 @@ def test_round_trip_lossless(mesh, task):
         assert again.spec == dev.spec and jb.to_jagged(again)[0].diff(host) == []
 
 
+def test_one_transfer_per_batch(mesh):
+    """A batch goes to the device as one int32 row per rank, its leaves at disjoint offsets
+    that tile the row; read inside a jitted program or eagerly, they are the host leaves."""
+    host = _with_dense(_batches(num_samples=5)[0])
+    dev = jb.to_device([host], col.rank_sharding(mesh))
+    assert isinstance(dev, jb.PackedBatch) and len(jax.tree.leaves(dev)) == 1
+    width = jb.packed_width(dev.spec)
+    assert dev.buffer.shape == (1, width) and dev.buffer.dtype == np.int32
+    covered = np.zeros(width, int)
+    for _, _, off, shape in jb.packed_layout(dev.spec):
+        covered[off : off + int(np.prod(shape))] += 1
+    assert (covered == 1).all()
+    want = jb.host_arrays([host], dev.spec)
+    assert want["dense"]["score"].dtype == np.int32  # float32 rides bit for bit
+
+    def leaves(b):
+        u = jb.local_view(b).unpack()
+        return {"lengths": u.lengths, "values": u.values, "dense": u.dense, "num": u.num_real}
+
+    for got in (jax.jit(leaves)(dev), leaves(dev)):
+        for field in ("lengths", "values", "dense"):
+            assert got[field].keys() == want[field].keys()
+            for key, x in want[field].items():
+                np.testing.assert_array_equal(np.asarray(got[field][key]), x[0], err_msg=key)
+        assert int(got["num"]) == host.actual_batch_size == 5
+    np.testing.assert_array_equal(np.asarray(dev.lengths["item"])[0], host.lengths["item"])
+
+
+def test_dense_shape_is_checked(mesh):
+    host = _with_dense(_batches()[0])
+    spec = jb.spec_from_batches([host])
+    host.dense["pair"] = np.zeros((host.batch_size, 3), np.int64)
+    with pytest.raises(HSTUError, match=r"dense\['pair'\].*\(8, 3\).*\(8, 2\)"):
+        jb.to_device([host], col.rank_sharding(mesh), spec)
+
+
 def test_values_past_lengths_are_zero(mesh):
     host = _batches()[0]
     dev = jb.to_device([host], col.rank_sharding(mesh))
