@@ -39,6 +39,21 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, record pass/fail and seconds
   rows+=("$(printf '%-28s %-6s %5ss' "$name" "$status" $((SECONDS - t0)))")
 }
 
+need_tree() {  # need_tree DIR SUBDIR: A/B trees are gitignored, so they travel only as carry
+  if [ -z "$1" ] || [ ! -d "$1/$2" ]; then
+    echo "gpu_check: the A/B tree '$1' has no $2/ on this machine (carry it with the call)" >&2
+    exit 2
+  fi
+}
+for s in $sections; do  # before anything runs: a missing tree fails the call in seconds
+  case $s in
+    ab|kab) need_tree "${AB_BEFORE:-}" kernels ;;
+    bias) for d in ${AB_BEFORE:-}; do need_tree "$d" kernels; done ;;
+    tab) need_tree "${AB_TREE:-}" hstu ;;
+    host) [ -z "${AB_TREE:-}" ] || need_tree "$AB_TREE" hstu ;;
+  esac
+done
+
 ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override sets alternating
   local name=$1 sets=$2 batches=$3 rounds=$4 round b i
   local -a ovr_sets
