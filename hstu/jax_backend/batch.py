@@ -367,7 +367,8 @@ def local_rows(x: jax.Array) -> np.ndarray:
 
 
 def to_jagged(batch: DeviceBatch | PackedBatch) -> list[JaggedBatch]:
-    """DeviceBatch -> the per-rank JaggedBatches this process holds (host dtypes restored)."""
+    """A device batch (packed or not) -> the per-rank JaggedBatches this process holds (host
+    dtypes restored)."""
     spec = batch.spec
     if isinstance(batch, PackedBatch):  # this process's rows, split on the host
         host = _unpack(local_rows(batch.buffer), spec)
