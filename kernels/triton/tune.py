@@ -38,6 +38,9 @@ BWD_CANDIDATES = [
     BlockSizes(32, 64, 4, 2), BlockSizes(32, 64, 8, 2), BlockSizes(32, 32, 4, 2),
     BlockSizes(32, 32, 8, 2), BlockSizes(128, 32, 8, 2), BlockSizes(64, 16, 4, 2),
     BlockSizes(16, 64, 4, 2), BlockSizes(32, 16, 4, 2),
+    # dq at head dim 256: two CTAs per SM (112 KB of shared memory, 255 registers, no spills
+    # offline); the default 64 x 32 x 3 holds one (160 KB)
+    BlockSizes(64, 16, 4, 3),
 ]  # fmt: skip
 # the fused kernel adds one [D] dq row per query and key block atomically: wide key blocks too
 FUSED_CANDIDATES = [
