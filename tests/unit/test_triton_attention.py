@@ -684,6 +684,28 @@ def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
         assert 0 < regs <= 255 and int(stores) >= 0 and int(loads) >= 0 and smem > 0, r
 
 
+def test_load_probe_compiles_three_ways_for_hopper_without_a_gpu():
+    """`python -m hstu_kernels.triton.probe_loads` compiles a dq-shaped loop with pointer,
+    descriptor and warp-specialised descriptor loads for sm_90a on a CPU machine and reports
+    each; descriptors hold fewer registers than pointer tiles (the lead in kernels/README.md),
+    and warp specialisation adds warps for its producer (on this machine's pinned Triton)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    cmd = [sys.executable, "-m", "hstu_kernels.triton.probe_loads", "--dim", "64", "--tiles",
+           "64,32,4,2"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r[0]: r for r in (line.split() for line in out.stdout.splitlines()) if len(r) == 7}
+    assert set(rows) == {"pointers", "descriptors", "descriptors+ws"}, out.stdout
+    regs = {k: int(r[2]) for k, r in rows.items()}
+    assert all(0 < x <= 255 for x in regs.values()), regs
+    assert regs["descriptors"] < regs["pointers"], regs
+    assert int(rows["descriptors"][5]) == 4 < int(rows["descriptors+ws"][5]), rows
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
 @pytest.mark.parametrize("with_masks", [False, True], ids=["causal", "ctx_cand_rab"])

@@ -1,0 +1,144 @@
+"""How the way a loop loads its tiles changes registers, spills and warp roles, offline:
+
+    python -m hstu_kernels.triton.probe_loads [--dim 256] [--arch 90]
+
+A probe for the next step of the Triton dq kernel (kernels/README.md, "Next for the Triton
+forward and dq"), not a kernel the package runs. The loop has dq's shape: per program a
+``[BLOCK_M, D]`` query and output-gradient tile held, then per key tile ``S = q k^T``,
+``dP = dO v^T``, ``dS = dP * silu'(S)`` and ``acc += dS k``, without the masks, the jagged
+schedule or the biases of the real kernel. It is compiled three ways for sm_``arch``a (no GPU
+needed): tiles loaded through pointer tensors (as our kernels load them), through tensor
+descriptors (TMA), and through descriptors with ``tl.range(warp_specialize=True)``; ptxas
+reports registers and spills, the compiled kernel its shared memory and warp count (above the
+launch's when Triton split the loop into a producer and consumers), and the PTX whether it
+sets per-role register budgets (``setmaxnreg``). Figures depend on the Triton version: the
+GPU image's compiler may decide differently from this machine's.
+"""
+
+import argparse
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .resources import _ptxas_report
+
+
+@triton.jit
+def _dq_loop_pointers(Q, K, V, DO, DQ, L, stride_t, alpha,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    start_m = tl.program_id(0) * BLOCK_M
+    rows_m = start_m + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D)
+    in_m = rows_m[:, None] < L
+    q = tl.load(Q + rows_m[:, None] * stride_t + cols[None, :], mask=in_m, other=0.0)
+    do = tl.load(DO + rows_m[:, None] * stride_t + cols[None, :], mask=in_m, other=0.0)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in range(0, start_m, BLOCK_N):
+        rows_n = start_n + tl.arange(0, BLOCK_N)
+        in_n = rows_n[:, None] < L
+        k = tl.load(K + rows_n[:, None] * stride_t + cols[None, :], mask=in_n, other=0.0)
+        v = tl.load(V + rows_n[:, None] * stride_t + cols[None, :], mask=in_n, other=0.0)
+        s = tl.dot(q, k.T) * alpha
+        sig = tl.sigmoid(s)
+        ds = tl.dot(do, v.T) * sig * (1 + s * (1 - sig))
+        acc = tl.dot(ds.to(k.dtype), k, acc)
+    tl.store(
+        DQ + rows_m[:, None] * stride_t + cols[None, :], acc.to(DQ.dtype.element_ty), mask=in_m
+    )
+
+
+@triton.jit
+def _dq_loop_descriptors(Q, K, V, DO, DQ, L, stride_t, alpha,
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr):  # fmt: skip
+    start_m = tl.program_id(0) * BLOCK_M
+    q_desc = tl.make_tensor_descriptor(
+        Q, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_M, D]
+    )
+    do_desc = tl.make_tensor_descriptor(
+        DO, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_M, D]
+    )
+    k_desc = tl.make_tensor_descriptor(
+        K, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_N, D]
+    )
+    v_desc = tl.make_tensor_descriptor(
+        V, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_N, D]
+    )
+    dq_desc = tl.make_tensor_descriptor(
+        DQ, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_M, D]
+    )
+    q = q_desc.load([start_m, 0])
+    do = do_desc.load([start_m, 0])
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in tl.range(0, start_m, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        s = tl.dot(q, k.T) * alpha
+        sig = tl.sigmoid(s)
+        ds = tl.dot(do, v.T) * sig * (1 + s * (1 - sig))
+        acc = tl.dot(ds.to(k.dtype), k, acc)
+    dq_desc.store([start_m, 0], acc.to(DQ.dtype.element_ty))
+
+
+VARIANTS = ("pointers", "descriptors", "descriptors+ws")
+
+
+def probe(variant: str, dim: int, block_m: int, block_n: int, num_warps: int,
+          num_stages: int, arch: int = 90) -> dict:  # fmt: skip
+    """Compile ``variant`` (one of VARIANTS) for sm_``arch``: registers, spill bytes, shared
+    memory, the compiled warp count and the PTX's ``setmaxnreg`` count."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    fn = _dq_loop_pointers if variant == "pointers" else _dq_loop_descriptors
+    consts = dict(D=dim, BLOCK_M=block_m, BLOCK_N=block_n)
+    if fn is _dq_loop_descriptors:
+        consts["WARP_SPECIALIZE"] = variant == "descriptors+ws"
+    pointers = ("Q", "K", "V", "DO", "DQ")
+    signature = {
+        n: "constexpr" if n in consts else "*bf16" if n in pointers
+        else "fp32" if n == "alpha" else "i32"
+        for n in fn.arg_names
+    }  # fmt: skip
+    aligned = (*pointers, "stride_t")  # as a launch specializes them (resources.py)
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    ptx = compiled.asm["ptx"]
+    regs, stores, loads = _ptxas_report(ptx, arch)
+    return dict(registers=regs, spill_stores=stores, spill_loads=loads,
+                shared=int(compiled.metadata.shared), warps=int(compiled.metadata.num_warps),
+                setmaxnreg=ptx.count("setmaxnreg"))  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100")
+    ap.add_argument("--tiles", nargs="*", default=["64,32,4,2", "128,32,8,2"],
+                    help="block_m,block_n,warps,stages")  # fmt: skip
+    args = ap.parse_args(argv)
+    print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16, dq loop")
+    print(f"{'loads':>15}  {'tiles':>11}  regs  spill st/ld B  smem KB  warps  setmaxnreg")
+    for text in args.tiles:
+        bm, bn, warps, stages = (int(x) for x in text.split(","))
+        for variant in VARIANTS:
+            r = probe(variant, args.dim, bm, bn, warps, stages, args.arch)
+            spill = f"{r['spill_stores']}/{r['spill_loads']}"
+            print(
+                f"{variant:>15}  {text:>11}  {r['registers']:4d}  {spill:>12}  "
+                f"{r['shared'] // 1024:7d}  {r['warps']:5d}  {r['setmaxnreg']:10d}"
+            )
+
+
+if __name__ == "__main__":
+    main()
