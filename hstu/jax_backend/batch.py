@@ -193,11 +193,14 @@ def packed_width(spec: BatchSpec) -> int:
     return off + math.prod(shape)
 
 
-def _unpack(buf, spec: BatchSpec) -> dict:
-    """The leaves of `buf` `[..., width]` (numpy or jax, any leading dims)."""
+def _unpack(buf, spec: BatchSpec, only: str | None = None) -> dict:
+    """The leaves of `buf` `[..., width]` (numpy or jax, any leading dims); `only`: those of
+    one field."""
     lead = buf.shape[:-1]
     out = {"lengths": {}, "values": {}, "dense": {}}
     for field, key, off, shape in packed_layout(spec):
+        if only is not None and field != only:
+            continue
         x = buf[..., off : off + math.prod(shape)].reshape(lead + shape)
         if field == "num_real":
             out[field] = x
@@ -226,19 +229,19 @@ class PackedBatch:
 
     @property
     def lengths(self) -> dict[str, jax.Array]:
-        return self.unpack().lengths
+        return _unpack(self.buffer, self.spec, "lengths")["lengths"]
 
     @property
     def values(self) -> dict[str, jax.Array]:
-        return self.unpack().values
+        return _unpack(self.buffer, self.spec, "values")["values"]
 
     @property
     def dense(self) -> dict[str, jax.Array]:
-        return self.unpack().dense
+        return _unpack(self.buffer, self.spec, "dense")["dense"]
 
     @property
     def num_real(self) -> jax.Array:
-        return self.unpack().num_real
+        return _unpack(self.buffer, self.spec, "num_real")["num_real"]
 
 
 def local_view(batch: DeviceBatch) -> DeviceBatch:

@@ -19,10 +19,8 @@ import argparse
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from .resources import _ptxas_report
+from .resources import compile_report
 
 
 @triton.jit
@@ -102,22 +100,9 @@ def probe(variant: str, dim: int, block_m: int, block_n: int, num_warps: int,
         for n in fn.arg_names
     }  # fmt: skip
     aligned = (*pointers, "stride_t")  # as a launch specializes them (resources.py)
-    src = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
-    )
-    compiled = triton.compile(
-        src,
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages),
-    )
-    ptx = compiled.asm["ptx"]
-    regs, stores, loads = _ptxas_report(ptx, arch)
-    return dict(registers=regs, spill_stores=stores, spill_loads=loads,
-                shared=int(compiled.metadata.shared), warps=int(compiled.metadata.num_warps),
-                setmaxnreg=ptx.count("setmaxnreg"))  # fmt: skip
+    compiled, report = compile_report(fn, signature, consts, aligned, num_warps, num_stages, arch)
+    return report | dict(warps=int(compiled.metadata.num_warps),
+                         setmaxnreg=compiled.asm["ptx"].count("setmaxnreg"))  # fmt: skip
 
 
 def main(argv=None) -> None:

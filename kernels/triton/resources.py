@@ -90,6 +90,16 @@ def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90) -> dict:
     # strides are multiples of 16 elements, so Triton compiles the kernels with those facts
     # (vectorized, pipelined loads); without them the report describes a kernel that never runs.
     aligned = [n for n in fn.arg_names if n in _POINTERS or n.startswith("stride")]
+    return compile_report(fn, signature, consts, aligned, tiles.num_warps, tiles.num_stages, arch)[
+        1
+    ]
+
+
+def compile_report(fn, signature: dict, consts: dict, aligned, num_warps: int, num_stages: int,
+                   arch: int = 90):  # fmt: skip
+    """Compile the jitted ``fn`` for sm_``arch`` (``aligned``: arguments a launch would see
+    16-divisible): (the compiled kernel, its registers per thread, spill store / load bytes
+    per thread and shared memory bytes)."""
     src = ASTSource(
         fn=fn,
         signature=signature,
@@ -99,11 +109,11 @@ def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90) -> dict:
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
     )
     regs, stores, loads = _ptxas_report(compiled.asm["ptx"], arch)
-    return dict(registers=regs, spill_stores=stores, spill_loads=loads,
-                shared=int(compiled.metadata.shared))  # fmt: skip
+    return compiled, dict(registers=regs, spill_stores=stores, spill_loads=loads,
+                          shared=int(compiled.metadata.shared))  # fmt: skip
 
 
 def main(argv=None) -> None:
