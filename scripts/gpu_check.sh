@@ -5,7 +5,7 @@
 #                                               attention (hstu bench attention grid)
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
-#                                               kab bias bwd optim mosaic recipes workers
+#                                               kab bias bwd optim mosaic recipes workers tma
 #                                               overrides flags
 #                                               host
 #                                               (bench_upstream, one GPU)
@@ -163,6 +163,22 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    tma)
+      # tensor-descriptor (TMA) loads of the forward / dq kernels against their pointer tiles
+      # (HSTU_TRITON_TMA=0), alternating in one call: scripts/attention_jagged.py on
+      # bench_upstream's jagged batches (two rounds), then the fwd / dq tile sweep at head
+      # dim 256 with each ($TMA_TUNE=0 skips it)
+      for round in 1 2; do
+        for t in 0 1; do
+          run "tma${t}_jagged_$round" env HSTU_TRITON_TMA=$t python scripts/attention_jagged.py \
+            --backend torch ${KAB_ARGS:-}
+        done
+      done
+      [ "${TMA_TUNE:-1}" = 1 ] && for t in 0 1; do
+        run "tma${t}_tune" env HSTU_TRITON_TMA=$t python -m hstu_kernels.triton.tune --dims 256 \
+          --kernels fwd,dq --repeats 10 --tiles ${TMA_TILES:-64,32,4,3 64,32,4,2 64,64,4,2 \
+          128,32,8,2 128,32,8,3 128,64,8,2}
+      done ;;
     bias)
       # what the attention biases cost the Triton kernel (kernels/triton/bench_bias.py): the
       # kernels of each tree in $AB_BEFORE (space-separated; each timed by this tree's
@@ -305,8 +321,8 @@ print('torchrec', torchrec.__version__)" ;;
         --sim-batches 6 --out /tmp/simcheck_w1
       cp /tmp/simcheck_w1/e2e.json "$OUT/simcheck_w1.json" ;;
     sim)
-      # simulated W=8 and W=16 on this one GPU (per-rank forward+backward timed alone)
-      for w in 8 16; do
+      # simulated W=8 and W=16 ($SIM_WORLDS) on this one GPU (per-rank forward+backward timed alone)
+      for w in ${SIM_WORLDS:-8 16}; do
         run "sim_w$w" python -m hstu.cli bench e2e --config bench_upstream --skip-runs \
           --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w
         cp /tmp/sim_w$w/e2e.json "$OUT/sim_w$w.json"
@@ -347,16 +363,18 @@ print('torchrec', torchrec.__version__)" ;;
       # $E2E2_REPEATS alternating rounds, with the W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
       # where there is nothing to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
+      # (E2E2_MAIN=0: the fixed-length runs alone; E2E2_PROBE_EVERY: steps between probes)
       x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
-      run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
-        --backends $E2E_BACKENDS --exchanges $x --probe-every 15 --breakdown \
+      [ "${E2E2_MAIN:-1}" = 1 ] && run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
+        --backends $E2E_BACKENDS --exchanges $x --probe-every ${E2E2_PROBE_EVERY:-15} --breakdown \
         --repeats ${E2E2_REPEATS:-1} --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 \
-        dist.world_size=2
-      cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json"; cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
+        dist.world_size=2 \
+        && cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json" && cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
       [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
         --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \
         --out /tmp/e2e_w2_fixed dist.world_size=2 \
-        data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" ;;
+        data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" \
+        && cp /tmp/e2e_w2_fixed/e2e.json "$OUT/e2e_w2_fixed.json" ;;
     multi)
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
       # shuffler against identity on the Zipf recipe, both backends, 2 ranks

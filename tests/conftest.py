@@ -35,15 +35,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 class LaunchSpy:
-    """Stands in for a Triton kernel (`kernel[grid](...)`): records each launch's grid, then
-    launches it."""
+    """Stands in for a Triton kernel (`kernel[grid](...)`): records each launch's grid and
+    keyword (meta) arguments, then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
+        self.kernel, self.grids, self.meta = kernel, [], []
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.meta.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return call
 
 
 @pytest.fixture

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         report["simulation"] = {}
         for b in backends:
             sim = _simulate(args, b, out / f"sim-{b}-W{args.simulate_ranks}.json")
-            from hstu.bench.simulate import format_simulation
+            from hstu.bench.simulate import format_simulation, projected_speedup
 
             real = results.get(f"{b}/balanced/allgather", {})
             # what the real step's device time adds to the slowest rank's forward + backward
@@ -359,6 +359,19 @@ def main(argv: list[str] | None = None) -> int:
                             f"  {key}: projected {proj:.2f} ms vs real {real_ms:.2f} ms "
                             f"({100 * (proj / real_ms - 1):+.1f}%)"
                         )
+                if real and f"{b}/identity/-" in results:
+                    # the gain the measured per-rank times predict, and the share of it the
+                    # real runs got (issues' criterion: >= 80 %)
+                    proj_sp = projected_speedup(sim, extra_s, exchange_s)
+                    share = (real["speedup"] - 1) / (proj_sp - 1) if proj_sp > 1 else None
+                    sim["real_speedup"] = real["speedup"]
+                    sim["projected_speedup_with_run"] = proj_sp
+                    sim["share_of_projected_gain"] = share
+                    gain = "" if share is None else f" ({100 * share:.0f}% of the projected gain)"
+                    print(
+                        f"  balanced speedup: real {real['speedup']:.3f}x vs projected "
+                        f"{proj_sp:.3f}x{gain}"
+                    )
             sim.pop("rows", None)
             report["simulation"][b] = sim
     (out / "e2e.json").write_text(json.dumps(report, indent=1))

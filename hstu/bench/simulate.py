@@ -100,6 +100,14 @@ def _corr(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
+def projected_speedup(sim: dict, extra_s: float = 0.0, exchange_s: float = 0.0) -> float:
+    """Identity's projected step over the balancer's, with what the real run adds (`extra_s`
+    to both, `exchange_s` to the balancer's)."""
+    return (sim["identity"]["projected_step_s"] + extra_s) / (
+        sim["balanced"]["projected_step_s"] + extra_s + exchange_s
+    )
+
+
 def format_simulation(
     sim: dict, extra_s: float = 0.0, extra_note: str = "", exchange_s: float = 0.0
 ) -> str:
@@ -127,9 +135,7 @@ def format_simulation(
             f"{s['imbalance_time']:>11.3f}{s['imbalance_flops']:>12.3f}"
             f"{s['flops_time_corr']:>7.2f}"
         )
-    speedup = (sim["identity"]["projected_step_s"] + added["identity"]) / (
-        sim["balanced"]["projected_step_s"] + added["balanced"]
-    )
+    speedup = projected_speedup(sim, extra_s, exchange_s)
     lines.append(f"projected balanced speedup at W={w}: {speedup:.3f}x")
     return "\n".join(lines)
 

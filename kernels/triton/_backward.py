@@ -13,12 +13,14 @@ from ._common import (
     _dot,
     _key_ranges,
     _load_rows,
+    _load_tile,
     _logits,
     _num_blocks,
     _query_ranges,
     _reduce_max,
     _reduce_min,
     _reduce_sum,
+    _rows_desc,
     _sample_info,
     _sigmoid,
     _store_rows,
@@ -237,12 +239,13 @@ def _dq_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr,
     TIME_GRAD: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     rows = seq_start + offs_n
     in_n = offs_n < n
-    k = _load_rows(K, rows, in_n, stride_kt, DQK, BLOCK_DQK)
-    v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
+    k = _load_tile(K, start_n, rows, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
+    v = _load_tile(V, start_n, rows, in_n, stride_vt, DV, BLOCK_DV, TMA)
     ts_k = 0
     if HAS_TIME:
         ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
@@ -316,7 +319,7 @@ def _hstu_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
@@ -343,8 +346,17 @@ def _hstu_bwd_dq_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         rows_m = seq_start + offs_m
         in_m = offs_m < n
-        q = _load_rows(Q, rows_m, in_m, stride_qt, DQK, BLOCK_DQK)
-        do = _load_rows(DO, rows_m, in_m, stride_dot, DV, BLOCK_DV)
+        # the tiles' sources: the sample's rows through descriptors (tiles past its end read
+        # as zeros), or the head slices
+        if TMA:
+            Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
+            DOs = _rows_desc(DO, seq_start, n, stride_dot, DV, BLOCK_M, BLOCK_DV)
+            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
+            Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
+        else:
+            Qs, DOs, Ks, Vs = Q, DO, K, V
+        q = _load_tile(Qs, m0, rows_m, in_m, stride_qt, DQK, BLOCK_DQK, TMA)
+        do = _load_tile(DOs, m0, rows_m, in_m, stride_dot, DV, BLOCK_DV, TMA)
         ts_q = 0
         if HAS_TIME:
             ts_q = _ts_load(Ts, rows_m, in_m, ts_lo, HAS_TIME)[:, None]
@@ -356,20 +368,20 @@ def _hstu_bwd_dq_kernel(
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime,
+                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, Ks, Vs, Ts, RabPos, RabTime,
                 DRabPos, seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
-                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, False,
+                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, False, TMA,
             )  # fmt: skip
         n_a = _num_blocks(full, hi1, BLOCK_N)
         n_b = _num_blocks(lo2, hi2, BLOCK_N)
         for it in range(0, n_a + n_b):
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             dq, dtime = _dq_tile(
-                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime,
+                dq, dtime, q, do, m0, offs_m, ts_q, ts_lo, start_n, Ks, Vs, Ts, RabPos, RabTime,
                 DRabPos, seq_start, stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, inv_norm,
                 DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
-                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, True,
+                HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, True, TMA,
             )  # fmt: skip
         _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:

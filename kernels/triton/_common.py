@@ -336,6 +336,31 @@ def _load_rows(Ptr, rows, in_rows, stride, D: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _rows_desc(Ptr, seq_start, n, stride, D: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """A tensor descriptor (TMA on Hopper) over one sample's rows ``[seq_start, seq_start + n)``
+    of a row-major ``[T, D]`` head slice, in tiles of ``[BLOCK_R, BLOCK_D]``: rows past ``n``
+    and columns past ``D`` read as zeros, as ``_load_rows`` masks them. Made by the program
+    (the launch gives Triton an allocator for the descriptors' scratch)."""
+    return tl.make_tensor_descriptor(
+        Ptr + seq_start * stride, shape=[n, D], strides=[stride, 1], block_shape=[BLOCK_R, BLOCK_D]
+    )
+
+
+@triton.jit
+def _load_tile(Src, start, rows, in_rows, stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               TMA: tl.constexpr):  # fmt: skip
+    """The tile of rows ``start + [0, len(rows))`` of a sample: through its descriptor
+    (``TMA``, ``Src`` from ``_rows_desc``; ``start`` is the row inside the sample) or through
+    pointers (``Src`` the head slice, ``rows`` the token rows, ``in_rows`` their mask)."""
+    if TMA:  # noqa: SIM108 (constexpr branch)
+        t = Src.load([start, 0])
+    else:
+        t = _load_rows(Src, rows, in_rows, stride, D, BLOCK_D)
+    return t
+
+
+@triton.jit
 def _store_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Write ``val`` (cast to the pointer's dtype) where ``_load_rows`` would read it."""
     offs_d = tl.arange(0, BLOCK_D)

@@ -7,9 +7,10 @@ from ._common import (
     _block_start,
     _dot,
     _key_ranges,
-    _load_rows,
+    _load_tile,
     _logits,
     _num_blocks,
+    _rows_desc,
     _sample_info,
     _sigmoid,
     _store_rows,
@@ -26,12 +27,13 @@ def _fwd_tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     rows = seq_start + offs_n
     in_n = offs_n < n
-    k = _load_rows(K, rows, in_n, stride_kt, DQK, BLOCK_DQK)
-    v = _load_rows(V, rows, in_n, stride_vt, DV, BLOCK_DV)
+    k = _load_tile(K, start_n, rows, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
+    v = _load_tile(V, start_n, rows, in_n, stride_vt, DV, BLOCK_DV, TMA)
     ts_k = 0
     if HAS_TIME:
         ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
@@ -53,7 +55,7 @@ def _hstu_fwd_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
@@ -73,7 +75,15 @@ def _hstu_fwd_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         rows_m = seq_start + offs_m
         in_m = offs_m < n
-        q = _load_rows(Q, rows_m, in_m, stride_qt, DQK, BLOCK_DQK)
+        # the tiles' sources: the sample's rows through descriptors (tiles past its end read
+        # as zeros), or the head slices
+        if TMA:
+            Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
+            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
+            Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
+        else:
+            Qs, Ks, Vs = Q, K, V
+        q = _load_tile(Qs, m0, rows_m, in_m, stride_qt, DQK, BLOCK_DQK, TMA)
         ts_q = 0
         if HAS_TIME:
             ts_q = _ts_load(Ts, rows_m, in_m, ts_lo, HAS_TIME)[:, None]
@@ -81,9 +91,9 @@ def _hstu_fwd_kernel(
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):  # fully visible key blocks
             acc = _fwd_tile(
-                acc, q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start,
+                acc, q, offs_m, ts_q, ts_lo, start_n, Ks, Vs, Ts, RabPos, RabTime, seq_start,
                 stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV,
-                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False,
+                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, False, TMA,
             )  # fmt: skip
         # masked: the causal / history edge [full, hi1) and the candidates' diagonal [lo2, hi2)
         n_a = _num_blocks(full, hi1, BLOCK_N)
@@ -91,8 +101,8 @@ def _hstu_fwd_kernel(
         for it in range(0, n_a + n_b):
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             acc = _fwd_tile(
-                acc, q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start,
+                acc, q, offs_m, ts_q, ts_lo, start_n, Ks, Vs, Ts, RabPos, RabTime, seq_start,
                 stride_kt, stride_vt, n, hist_end, C, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV,
-                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True,
+                BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True, TMA,
             )  # fmt: skip
         _store_rows(Out, rows_m, in_m, stride_ot, acc * inv_norm, DV, BLOCK_DV)

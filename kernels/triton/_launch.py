@@ -3,6 +3,7 @@ normalisation and the forward / backward implementations behind the torch.librar
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +130,51 @@ def check_backward(backward) -> str:
     if not isinstance(backward, str) or backward not in BACKWARDS:
         raise ValueError(f"backward must be None or one of {BACKWARDS}, got {backward!r}")
     return backward
+
+
+# The forward and dq kernels read a sample's rows through tensor descriptors (TMA) where the
+# hardware has them (sm_90+; the interpreter emulates them) and the inputs allow them, else
+# through pointer tiles. HSTU_TRITON_TMA=0 keeps the pointer loads everywhere (A/B, or a
+# Triton whose descriptors misbehave).
+_TMA_ENABLED = os.environ.get("HSTU_TRITON_TMA", "1") != "0"
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-made tensor descriptors, on the current device (the launches
+    run under ``_device_ctx``); a CUDA graph capture takes it from the graph's pool."""
+    device = "cpu" if is_interpret_mode() else "cuda"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator in this thread if it has none: descriptors made by a program
+    need scratch, and Triton keeps its allocator per thread (a context variable), so
+    autograd's backward thread starts without the one a caller may have set elsewhere."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the forward / dq kernels load ``tensors`` ([T, H, D] each) through tensor
+    descriptors: enabled, on sm_90+ (or the interpreter), with 16-byte aligned base pointers
+    and row / head strides and a contiguous last dim, as TMA requires."""
+    if not _TMA_ENABLED:
+        return False
+    first = tensors[0]
+    if not is_interpret_mode() and (
+        not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9
+    ):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
+            return False
+    return True
 
 
 def _block_d(d: int) -> int:
@@ -289,7 +335,10 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
     so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
     P = rp_.shape[1] if rp_ is not None else 1
     TB = rt_.shape[1] if rt_ is not None else 1
+    tma = use_tma(q, k, v)
     with _device_ctx(q):
+        if tma:
+            _ensure_allocator()
         grid, table, G = _schedule(so, T, H, max_seqlen, bs.block_m, key_major=False)
         tsr = _time_range(ts, so) if rt_ is not None else so
         for has_time in _time_paths(rt_):
@@ -298,7 +347,7 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
                 rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-                table, G, H, P, TB, float(alpha), 1.0 / float(normalizer),
+                table, G, H, P, TB, float(alpha), 1.0 / float(normalizer), TMA=tma,
                 **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
             )  # fmt: skip
         _zero_tail(out, so)
@@ -368,14 +417,16 @@ def _bwd_impl(
                 pos_mode, time_mode = _table_grad_modes(
                     pos_grad, time_grad, q.shape[2], P, max_seqlen
                 )
+                tma = use_tma(q, k, v, grad_out)
+                if tma:
+                    _ensure_allocator()
                 for has_time in paths:
                     _hstu_bwd_dq_kernel[grid](
                         q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
                         *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
                         BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
-                        TIME_GRAD=time_mode,
-                        OUT_LIKE_IN=dq_like,
+                        TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
                     )  # fmt: skip
             for x in (dk, dv) if fused else (dq, dk, dv):

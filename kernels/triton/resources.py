@@ -70,15 +70,17 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
     raise RuntimeError("no ptxas compiled the kernel: " + " | ".join(errors or ["none found"]))
 
 
-def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90) -> dict:
+def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90, tma: bool = True) -> dict:
     """Compile ``kernel`` for head dim ``dim`` with ``tiles`` for sm_``arch``: registers per
-    thread, spill store / load bytes per thread, shared memory bytes."""
+    thread, spill store / load bytes per thread, shared memory bytes. ``tma``: the forward and
+    dq kernels load through tensor descriptors, as they do on Hopper (else pointer tiles)."""
     fn = _FN[kernel]
     consts = dict(
         DQK=dim, DV=dim, BLOCK_DQK=_block_d(dim), BLOCK_DV=_block_d(dim),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
         OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
+        TMA=tma,
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {
@@ -124,15 +126,19 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--tiles", nargs="*", default=[], help="extra tiles: block_m,block_n,warps,stages"
     )
+    ap.add_argument(
+        "--loads", choices=("tma", "pointers"), default="tma", help="forward / dq tile loads"
+    )
     args = ap.parse_args(argv)
     extra = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles]
-    print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16")
+    print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16, "
+          f"forward / dq loads: {args.loads}")  # fmt: skip
     head = ("kernel", "tiles (m, n, warps, stages)", "regs", "spill st/ld B", "smem B")
     print("{:>6} {:>28} {:>5} {:>14} {:>8}".format(*head))
     for kernel in args.kernels.split(","):
         default = default_block_sizes(args.dim, kernel)
         for tiles in [default, *(t for t in extra if t != default)]:
-            r = resources(kernel, args.dim, tiles, args.arch)
+            r = resources(kernel, args.dim, tiles, args.arch, args.loads == "tma")
             tag = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.num_warps,
                                             tiles.num_stages))  # fmt: skip
             tag += " (default)" if tiles == default else ""

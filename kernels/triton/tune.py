@@ -1,7 +1,7 @@
 """Block-size sweep of the Triton HSTU attention kernels, per head dim (CUDA).
 
     python -m hstu_kernels.triton.tune [--dims 64,128,256] [--seqlen 4096 --batch 8]
-        [--kernels fwd,dkdv,dq,fused]
+        [--kernels fwd,dkdv,dq,fused] [--tiles m,n,warps,stages ...]
 
 For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
 shaped like ``configs/bench_upstream.yaml`` (``hstu_kernels.tune_cases``). Each forward candidate
@@ -41,6 +41,8 @@ BWD_CANDIDATES = [
     # dq at head dim 256: two CTAs per SM (112 KB of shared memory, 255 registers, no spills
     # offline); the default 64 x 32 x 3 holds one (160 KB)
     BlockSizes(64, 16, 4, 3),
+    # dq at head dim 256 with tensor-descriptor loads: no spills offline, 224 KB
+    BlockSizes(128, 32, 8, 3),
 ]  # fmt: skip
 # the fused kernel adds one [D] dq row per query and key block atomically: wide key blocks too
 FUSED_CANDIDATES = [
@@ -71,7 +73,7 @@ def _rel_err(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES)):
+def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES), only=None):
     """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others' tiles
     at their defaults; forward timed alone, backward tiles by the backward alone (``fused``:
     the fused backward with the candidate as its tiles, checked against split's gradients)."""
@@ -91,7 +93,7 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES)):
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad)
     rows = []
     for kern in passes:
-        for bs in PASSES[kern]:
+        for bs in PASSES[kern] if only is None else only:
             tiles = blocks(kern, bs)
             try:
                 out = attention(tiles, "fused" if kern == "fused" else "split")
@@ -132,7 +134,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tol", type=float, default=2e-2, help="bf16 rel. error vs the default")
     ap.add_argument("--kernels", default=",".join(PASSES), help="the passes to sweep")
+    ap.add_argument(
+        "--tiles", nargs="*", default=None, help="sweep these (m,n,warps,stages) instead"
+    )
     args = ap.parse_args(argv)
+    only = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles or []] or None
     passes = args.kernels.split(",")
     if unknown := set(passes) - set(PASSES):
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}, expected some of {list(PASSES)}")
@@ -150,7 +156,7 @@ def main(argv=None) -> None:
             _case("jagged", lengths, cand, 4, args.heads, dim, MAX_SEQLEN),
         ]  # fmt: skip
         results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol,
-                                          passes) for c in cases}  # fmt: skip
+                                          passes, only) for c in cases}  # fmt: skip
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
         print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq / fused rows: backward time)")
         print(sweep_table(results, passes, "m,n,warps,stages"))

@@ -94,7 +94,18 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
         # what the real W=2 run adds: its gradient reduction, and the balancer's exposed time
         real = report["runs"][f"{b}/balanced/allgather"]
         assert sim["exchange_s"] == pytest.approx(real["exposed_balancer_ms"] / 1e3)
+        # the real speedup set against the projection with what the real run adds
+        assert sim["real_speedup"] == pytest.approx(real["speedup"])
+        ident, bal = sim["identity"]["projected_step_s"], sim["balanced"]["projected_step_s"]
+        assert sim["projected_speedup_with_run"] == pytest.approx(
+            (ident + sim["extra_s"]) / (bal + sim["extra_s"] + sim["exchange_s"])
+        )
+        share = sim["share_of_projected_gain"]
+        assert share is None or share == pytest.approx(
+            (real["speedup"] - 1) / (sim["projected_speedup_with_run"] - 1)
+        )
     assert "projected balanced speedup at W=2" in printed
+    assert "balanced speedup: real" in printed
     assert "breakdown torch/balanced/allgather" in printed
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -208,6 +208,47 @@ def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_descriptor_and_pointer_loads_give_the_same_attention(mode, monkeypatch, spy_launches):
+    """The forward and dq kernels read a sample's rows through tensor descriptors (TMA) where
+    the inputs allow it, else through pointer tiles (`HSTU_TRITON_TMA=0`: always): the two give
+    the same output and gradients on jagged samples with contextual and candidate tokens, both
+    biases and capacity padding (a Dv of 24, so the descriptors' column tail reads zeros)."""
+    case, dtype = "ctx_cand_rab", torch.float32
+    qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, 1234)
+    fwd = spy_launches(_launch, "_hstu_fwd_kernel")
+    dq = spy_launches(_launch, "_hstu_bwd_dq_kernel")
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in qkv]
+        tabs = [t.clone().requires_grad_() for t in tables.values()]
+        out = hstu_attention(*leaves, offsets, **kw, **dict(zip(tables, tabs)))
+        return out, torch.autograd.grad(out, leaves + tabs, grad_out)
+
+    out_tma, grads_tma = run()
+    assert fwd.meta[-1]["TMA"] and dq.meta[-1]["TMA"]
+    monkeypatch.setattr(_launch, "_TMA_ENABLED", False)
+    out_ptr, grads_ptr = run()
+    assert not fwd.meta[-1]["TMA"] and not dq.meta[-1]["TMA"]
+    _assert_close(out_tma, out_ptr, 1e-6, "out")
+    for name, a, b in zip(["q", "k", "v", *tables], grads_tma, grads_ptr, strict=True):
+        _assert_close(a, b, 1e-6, f"d{name}")
+
+
+def test_descriptors_only_where_tma_can_address_the_rows():
+    """`use_tma`: 16-byte aligned base pointers and row / head strides and a contiguous last
+    dim, else pointer loads (the kernels then run as before)."""
+    dev = torch.device("cpu" if _INTERPRET else "cuda")
+    x = torch.zeros(10, 2, 16, device=dev)
+    if not _INTERPRET and torch.cuda.get_device_capability()[0] < 9:
+        assert not _launch.use_tma(x)  # no TMA before Hopper
+        return
+    assert _launch.use_tma(x, x)
+    assert not _launch.use_tma(x.view(-1)[1:161].view(10, 1, 16))  # base 4 bytes off
+    assert not _launch.use_tma(torch.zeros(10, 2, 18, device=dev, dtype=torch.bfloat16))
+    assert not _launch.use_tma(torch.zeros(10, 16, 2, device=dev).transpose(1, 2))
+
+
 # (case, dtype, tiles, table grads): the fused backward on the masks, biases in the logits
 # without table grads (fused), with them (split runs), bf16, and block_m != block_n
 FUSED_COMBOS = [
@@ -704,6 +745,26 @@ def test_load_probe_compiles_three_ways_for_hopper_without_a_gpu():
     assert all(0 < x <= 255 for x in regs.values()), regs
     assert regs["descriptors"] < regs["pointers"], regs
     assert int(rows["descriptors"][5]) == 4 < int(rows["descriptors+ws"][5]), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
+@pytest.mark.parametrize("loop", ["dq", "fwd"])
+def test_load_probe_variants_agree_and_are_timed_on_the_gpu(loop):
+    """`probe_loads --time`: the pointer, descriptor and warp-specialised descriptor loops
+    compute the same tiles (bf16 inputs, fp32 sums in a different order at most) and each
+    gets a positive time; a variant this Triton cannot build says why instead of a time."""
+    from hstu_kernels.triton.probe_loads import VARIANTS, time_variants
+
+    rows = time_variants(64, 512, 4, "64,32,4,2", loop, repeats=5)
+    assert [r["variant"] for r in rows] == list(VARIANTS)
+    assert "failed" not in rows[0], rows[0]  # the pointer loop is the reference
+    for r in rows:
+        if "failed" in r:
+            assert r["failed"], r
+            continue
+        assert r["ms"] > 0 and r["tflops"] > 0, r
+        assert r["err"] < 2e-2, r
 
 
 @pytest.mark.gpu
