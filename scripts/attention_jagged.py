@@ -46,7 +46,7 @@ def _graph_timer(calls: int, rounds: int):
 
 def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None):
     import torch
-    from hstu_kernels.triton import hstu_attention
+    from hstu_kernels.triton import hstu_attention  # the function, whatever loaded first
 
     dev = torch.device("cuda")
     T = int(lengths.sum())

@@ -6,6 +6,8 @@ decides at decoration time whether kernels run compiled or in the CPU interprete
 """
 
 import importlib
+import sys
+import types
 
 from .reference import hstu_attention_reference, hstu_mask_reference
 
@@ -22,11 +24,22 @@ _LAZY = ("BlockSizes", "hstu_attention", "hstu_uvqk_attention")
 
 def __getattr__(name: str):
     if name in _LAZY:
-        _module = importlib.import_module(f"{__name__}.hstu_attention")
-
-        # the submodule import bound the package attribute `hstu_attention` to the module;
-        # rebind the public names to the objects
-        for attr in _LAZY:
-            globals()[attr] = getattr(_module, attr)
+        importlib.import_module(f"{__name__}.hstu_attention")  # binds _LAZY (_Package)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """The first import of the submodule ``hstu_attention``, from here or from a sibling
+    (``bench``, ``tune``), binds it as this package's attribute of the same name; the public
+    names stay the function and the classes."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "hstu_attention" and isinstance(value, types.ModuleType):
+            for attr in _LAZY:
+                super().__setattr__(attr, getattr(value, attr))
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -235,6 +235,26 @@ def test_descriptor_and_pointer_loads_give_the_same_attention(mode, monkeypatch,
         _assert_close(a, b, 1e-6, f"d{name}")
 
 
+def test_package_names_the_function_whichever_module_loads_the_kernels_first():
+    """`from hstu_kernels.triton import hstu_attention` is the function also when a sibling
+    (`bench`) loaded the submodule of the same name first (it used to be the module)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hstu_kernels.triton.bench\n"
+        "from hstu_kernels.triton import hstu_attention\n"
+        "from hstu_kernels.triton import BlockSizes\n"
+        "import importlib\n"
+        "mod = importlib.import_module('hstu_kernels.triton.hstu_attention')\n"
+        "assert callable(hstu_attention) and hstu_attention is mod.hstu_attention\n"
+        "assert BlockSizes is mod.BlockSizes\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_descriptors_only_where_tma_can_address_the_rows():
     """`use_tma`: 16-byte aligned base pointers and row / head strides and a contiguous last
     dim, else pointer loads (the kernels then run as before)."""
