@@ -42,7 +42,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
-# The few end-to-end tests of more than ~20 s each (marked `slow`); CI runs them after `test`.
+# The end-to-end tests of more than ~10 s each (marked `slow`); CI runs them after `test`.
 test-slow: setup
 	$(VENV)/bin/python -m pytest -q -m slow
 

@@ -61,6 +61,7 @@ def test_a_point_that_fails_the_check_is_not_timed_and_fails_the_run():
     assert "FAIL" in ba.table(points)
 
 
+@pytest.mark.slow  # ~10 s per backend on 2 cores: with the other end-to-end commands
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_bench_attention_checks_times_and_writes(backend, tmp_path, capsys):
     ok, why = backends.available(backend)

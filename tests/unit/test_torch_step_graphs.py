@@ -114,7 +114,11 @@ def _backend(cfg, step_graphs: bool):
     return backend
 
 
-@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+@pytest.mark.parametrize(
+    "task",
+    # retrieval's step graph (~12 s on 2 cores) runs with the end-to-end tests (make test-slow)
+    ["ranking", pytest.param("retrieval", marks=pytest.mark.slow)],
+)
 def test_the_backend_trains_from_step_graphs_as_the_eager_step(task):
     """Four steps across two capacities and a batch past the length bound (eager) through
     `TorchBackend`: the metrics, the step-graph count and the updated parameters as the eager
