@@ -37,16 +37,18 @@ def _loop_body(acc, q, do, k, v, alpha, FWD: tl.constexpr):
 
 
 @triton.jit
+def _slice(Q, K, V, DO, DQ, stride_b):
+    """The program's ``[L, D]`` slice of each input (``program_id(1)``, ``stride_b`` apart)."""
+    base = tl.program_id(1).to(tl.int64) * stride_b
+    return Q + base, K + base, V + base, DO + base, DQ + base
+
+
+@triton.jit
 def _dq_loop_pointers(Q, K, V, DO, DQ, L, stride_t, stride_b, alpha,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       FWD: tl.constexpr):  # fmt: skip
     start_m = tl.program_id(0) * BLOCK_M
-    base = tl.program_id(1).to(tl.int64) * stride_b
-    Q += base
-    K += base
-    V += base
-    DO += base
-    DQ += base
+    Q, K, V, DO, DQ = _slice(Q, K, V, DO, DQ, stride_b)
     rows_m = start_m + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     in_m = rows_m[:, None] < L
@@ -71,12 +73,7 @@ def _dq_loop_descriptors(Q, K, V, DO, DQ, L, stride_t, stride_b, alpha,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          FWD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):  # fmt: skip
     start_m = tl.program_id(0) * BLOCK_M
-    base = tl.program_id(1).to(tl.int64) * stride_b
-    Q += base
-    K += base
-    V += base
-    DO += base
-    DQ += base
+    Q, K, V, DO, DQ = _slice(Q, K, V, DO, DQ, stride_b)
     q_desc = tl.make_tensor_descriptor(
         Q, shape=[L, D], strides=[stride_t, 1], block_shape=[BLOCK_M, D]
     )
