@@ -236,8 +236,8 @@ class TrainConfig:
     graph_scope: str = _opt(
         "auto",
         "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "
-        "graph per shape where one rank holds replicated tables, else the HSTU stack; stack = "
-        "the stack only",
+        "graph per shape where one rank holds replicated tables (embedding.sharding=none, or "
+        "data_parallel with adam), else the HSTU stack; stack = the stack only",
     )
 
     def validate(self) -> None:
@@ -338,16 +338,6 @@ class EmbeddingConfig:
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
-        # data_parallel tables are replicated and updated from their dense (all-reduced)
-        # gradient: row-wise Adagrad leaves a zero-gradient row exactly as it is, so that equals
-        # the touched-rows update; Adam would still move every row (docs/MODEL.md).
-        _check(
-            not (self.sharding == "data_parallel" and self.optimizer == "adam"),
-            p + "optimizer",
-            self.optimizer,
-            "adam is not available with embedding.sharding=data_parallel (it needs the touched "
-            "rows; use row_wise_adagrad, or table_wise / row_wise / auto sharding)",
-        )
         _check(
             self.optimizer == "adam" or self.weight_decay == 0.0,
             p + "weight_decay",

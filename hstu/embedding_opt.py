@@ -34,7 +34,8 @@ def init_state(optimizer: str, num_rows: int, dim: int) -> dict:
 def row_gradients(ids: np.ndarray, lookup_grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(distinct ids, g_r [len, D])` from every lookup's id and gradient (all ranks')."""
     ids = np.asarray(ids, np.int64).reshape(-1)
-    lookup_grads = np.asarray(lookup_grads, np.float32).reshape(ids.size, -1)
+    lookup_grads = np.asarray(lookup_grads, np.float32)
+    lookup_grads = lookup_grads.reshape(ids.size, lookup_grads.shape[-1])
     rows, inverse = np.unique(ids, return_inverse=True)
     g = np.zeros((rows.size, lookup_grads.shape[1]), np.float32)
     np.add.at(g, inverse, lookup_grads)

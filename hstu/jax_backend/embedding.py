@@ -352,8 +352,11 @@ def make_update(setup: EmbeddingSetup, mesh, axis: str):
             out, sq = new_tree(t), jnp.zeros((), jnp.float32)
             for lay in setup.layouts:
                 n, ids = lay.name, routes[lay.name]["uniq"]  # [W, U]
-                size = min(ids.size, lay.num_rows + 1)
-                rows, g = sum_by_row(ids, g_rows[n], lay.sentinel, size)
+                if ids.shape[0] == 1:  # one rank: its ids are distinct already, no re-sort
+                    rows, g = ids[0], g_rows[n][0]
+                else:
+                    size = min(ids.size, lay.num_rows + 1)
+                    rows, g = sum_by_row(ids, g_rows[n], lay.sentinel, size)
                 w, st = apply_rows(
                     setup, tables["weights"][n], table_state(tables, n, fields), rows, g, t
                 )

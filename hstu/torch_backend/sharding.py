@@ -13,9 +13,9 @@
   run on a process group of their own, so their order and the gradient buckets' order are
   each fixed on every rank whatever the other does (hstu/pipeline.py).
 * `ReplicatedTables` (`data_parallel`): the tables stay replicated parameters, their gradients
-  are all-reduced in the buckets with the dense ones, and row-wise Adagrad updates them from
-  the dense gradient. A row no rank touched has a zero gradient and row-wise Adagrad leaves it
-  exactly unchanged, so this is the touched-rows update (Adam is refused by the config).
+  are all-reduced in the buckets with the dense ones, and `embedding.optimizer` updates the
+  rows some rank looked up (row-wise Adagrad: every row, which leaves the untouched ones
+  exactly as they are; Adam: where the ranks' marks of their lookups are set).
   TorchRec's own data_parallel sharding of an EmbeddingCollection pools the sequences on a
   CPU (a TBE dense-kernel limitation in 1.8), hence this implementation.
 
@@ -50,7 +50,7 @@ def check_sharding(cfg, device_type: str) -> None:
     e = cfg.embedding
     if not e.sharded:
         return
-    if e.optimizer == "adam" and device_type != "cuda":
+    if e.optimizer == "adam" and e.sharding != "data_parallel" and device_type != "cuda":
         raise HSTUError(
             "embedding.optimizer=adam runs on CUDA only in the torch backend: fbgemm's CPU "
             "table-batched-embedding kernels have no Adam (use embedding.optimizer="
@@ -64,42 +64,104 @@ def embedding_features(model) -> list[str]:
 
 
 class ReplicatedTables:
-    """`data_parallel`: replicated tables, all-reduced dense gradients, row-wise Adagrad."""
+    """`data_parallel`: replicated tables, all-reduced dense gradients, the touched-rows update.
+
+    Row-wise Adagrad runs on every row from the dense gradient: a row no rank touched has a
+    zero gradient, which it leaves exactly unchanged. Adam would move such a row (its moments
+    decay), so it takes the touched rows `T` explicitly: each rank marks the ids it looks up
+    (`mark`, before its forward), the marks are combined over the ranks (one MAX all-reduce
+    of a float per row, in `step`) and the update applies where they are set."""
 
     kind = "replicated"
 
-    def __init__(self, model, cfg):
+    def __init__(self, model, cfg, world_size: int = 1, group=None):
         self.cfg, self.model = cfg.embedding, model
+        self.world_size, self.group = world_size, group
         named = model.named_core_parameters()
         self.tables = {n: p for n, p in named.items() if n.startswith(EMBEDDING_PREFIX)}
         self.dense = {n: p for n, p in named.items() if not n.startswith(EMBEDDING_PREFIX)}
         self.reduced_params = list(model.parameters())  # the bucket layout of sharding=none
-        self.sums = {n: torch.zeros(p.shape[0], device=p.device) for n, p in self.tables.items()}
+        self.adam = self.cfg.optimizer == "adam"
+        if self.adam:
+            self.state = {
+                n: {"m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+                for n, p in self.tables.items()
+            }
+            # one row mark per table, concatenated: one all-reduce per step
+            sizes = [p.shape[0] for p in self.tables.values()]
+            device = next(iter(self.tables.values())).device
+            self._marks = torch.zeros(sum(sizes), device=device)
+            self.marks = dict(zip(self.tables, self._marks.split(sizes), strict=True))
+        else:
+            self.state = {n: {"sum": torch.zeros(p.shape[0], device=p.device)}
+                          for n, p in self.tables.items()}  # fmt: skip
+        # the update's t on the device (Adam's bias correction; a step graph advances it too)
+        self.t = torch.zeros(
+            (), dtype=torch.float32, device=next(iter(self.tables.values())).device
+        )
         self.count = 0
+        # table name -> the batch keys it is looked up at (docs/MODEL.md token table)
+        self.features = {
+            EMBEDDING_PREFIX + c.name: list(c.feature_names)
+            for c in model.embedding.embedding_configs()
+        }
+
+    def mark(self, tb) -> None:
+        """Adam: the rows this rank's batch looks up (every value of the table's keys)."""
+        if not self.adam:
+            return
+        values, keys = tb.kjt.values(), tb.keys
+        bounds = tb.kjt.offset_per_key()
+        for name, features in self.features.items():
+            for f in features:
+                if f in keys:
+                    i = keys.index(f)
+                    self.marks[name].index_fill_(0, values[bounds[i] : bounds[i + 1]], 1.0)
 
     @torch.no_grad()
     def step(self) -> None:
-        lr, eps = self.cfg.lr, self.cfg.eps
+        e = self.cfg
+        self.count += 1
+        self.t.add_(1)
+        if self.adam and self.world_size > 1:
+            dist.all_reduce(self._marks, op=dist.ReduceOp.MAX, group=self.group)
         for name, p in self.tables.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            s = self.sums[name]
+            st = self.state[name]
+            if self.adam:
+                from hstu_kernels.triton.adamw_rows import adamw_masked_
+
+                adamw_masked_(
+                    p, st["m"], st["v"], g, self.marks[name] > 0, self.t, lr=e.lr,
+                    beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay,
+                )  # fmt: skip
+                continue
+            s = st["sum"]
             s.add_((g * g).mean(dim=1))
-            p.sub_(g * (lr / (s.sqrt() + eps))[:, None])
+            p.sub_(g * (e.lr / (s.sqrt() + e.eps))[:, None])
+        if self.adam:
+            self._marks.zero_()
+
+    def stepped(self) -> None:
+        """A step graph applied the update (step_graphs.py): count it."""
         self.count += 1
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        """(`{torch name: table}`, `{core name.sum: accumulator}`) for DCP, in place."""
+        """(`{torch name: table}`, `{core name.sum|.m|.v: state}`) for DCP, in place."""
         weights = {_torch_name(n): p.detach() for n, p in self.tables.items()}
-        return weights, {f"{n}.sum": s for n, s in self.sums.items()}
+        return weights, {f"{n}.{f}": x for n, st in self.state.items() for f, x in st.items()}
 
     def after_load(self, count: int) -> None:
         self.count = count
+        self.t.fill_(count)
 
     def local_shards(self) -> dict:
-        return {
-            n: [(0, 0, p.detach().cpu().numpy(), self.sums[n].cpu().numpy()[:, None])]
-            for n, p in self.tables.items()
-        }
+        out = {}
+        for n, p in self.tables.items():
+            st = [x.cpu().numpy() for x in self.state[n].values()]  # sum, or m then v
+            st = np.concatenate([x[:, None] if x.ndim == 1 else x for x in st], axis=1)
+            out[n] = [(0, 0, p.detach().cpu().numpy(), st)]
+        return out
 
 
 def _no_data_parallel():
@@ -314,7 +376,7 @@ def shard_tables(model, cfg, world_size: int, device, group=None):
         return None
     check_sharding(cfg, torch.device(device).type)
     if sharding == "data_parallel":
-        return ReplicatedTables(model, cfg)
+        return ReplicatedTables(model, cfg, world_size, group)
     return FusedTables(model, cfg, world_size, torch.device(device), group)
 
 

@@ -1,5 +1,5 @@
 """The whole torch training step as CUDA graphs (`train.cuda_graphs`, `train.graph_scope=auto`
-on one rank with replicated tables).
+on one rank with replicated tables: `embedding.sharding=none`, or `data_parallel` with Adam).
 
 With the HSTU stack alone in graphs (graphs.py) the batch-8 step of `bench_upstream` was still
 bound by the host: ~7.5 ms per step of Python dispatch around the stack (the lookups and the
@@ -38,6 +38,11 @@ step, docs/BENCHMARKS.md). AdamW's state is initialised before the first capture
 leaves every parameter and moment as it was). Every parameter is updated every step as in
 the eager step: a parameter the loss does not reach gets a zero gradient inside the graph
 (`GradBuckets.finish` does the same eagerly), the table's rows nobody looked up too.
+
+`data_parallel` tables with Adam (sharding.ReplicatedTables) are updated on their touched
+rows only, with their own state and `embedding.*` hyperparameters, t advanced once per
+replay on the device: the item table by the same kernels in their sparse mode, the
+contextual and action tables from their dense gradients where the step's ids mark them.
 
 Memory: the graphs share one pool. Everything a replay produces is consumed inside it (the
 gradients by the norm and AdamW) except its scalars, which the backend copies out before the
@@ -173,8 +178,14 @@ class StepGraphs:
         capture: bool = True,
         warmup: int = 3,
         max_candidates: int | None = None,
+        tables=None,
     ):
-        """`max_candidates`: a bound on a row's candidates (`data.max_candidates`; ranking)."""
+        """`max_candidates`: a bound on a row's candidates (`data.max_candidates`; ranking).
+        `tables`: `data_parallel` tables with Adam (sharding.ReplicatedTables), updated on
+        their touched rows from their state (module docstring); None: AdamW's."""
+        if tables is not None and not (tables.kind == "replicated" and tables.adam):
+            raise ValueError("StepGraphs: only replicated tables with embedding.optimizer=adam")
+        self.tables = tables
         self.model, self.optimizer, self.params = model, optimizer, list(params)
         self.max_candidates = max_candidates
         self.policy, self.max_seqlen = policy, max_seqlen
@@ -293,6 +304,7 @@ class StepGraphs:
         # the item table's rows as a leaf of their own: the table takes no dense gradient,
         # its update reads theirs (`_update_table`)
         rows = tables["item"].weight.detach().index_select(0, looked).requires_grad_()
+        small_lookups = None
         e_item, e_neg = rows.split([cap, looked.numel() - cap])
         # The contextual and action tables (small) read as one: a second lookup over the
         # capacity, not two. Cast before selecting and placing the rows: moving values commutes
@@ -300,6 +312,8 @@ class StepGraphs:
         ctx_table = tables["contextual"].weight
         small = torch.cat([ctx_table, tables["action"].weight])
         small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_table.shape[0], 0))
+        if self.tables is not None:  # their touched rows: the update's marks
+            small_lookups = torch.where(ctx | act, small_ids, -1)
         e_small = F.embedding(small_ids, small).to(model.compute_dtype)
         e = torch.where((ctx | act)[:, None], e_small, e_item.to(model.compute_dtype))
         inverse = v["inverse"]
@@ -315,7 +329,8 @@ class StepGraphs:
         if self.task == "ranking":
             logits = model._candidate_logits(z, {"pos_cand": v["loss_a"]})
             bce = model.ranking_terms(logits, s.extra)
-            return torch.where(real_rows[:, None], bce, 0.0).sum() / denom, {}, (lookups, rows)
+            loss = torch.where(real_rows[:, None], bce, 0.0).sum() / denom
+            return loss, {}, (lookups, rows, small_lookups)
         r, item_src = self.num_negatives, v["loss_b"]
         loss, hit, ndcg = model.retrieval_terms(
             z.index_select(0, v["loss_a"]),
@@ -326,12 +341,12 @@ class StepGraphs:
         )
         loss = torch.where(real_rows, loss, 0.0).sum() / denom
         sums = [torch.where(real_rows, m, 0.0).sum() for m in (hit, ndcg)]
-        return loss, dict(zip(self.names[1:], sums, strict=True)), (lookups, rows)
+        return loss, dict(zip(self.names[1:], sums, strict=True)), (lookups, rows, small_lookups)
 
     def _run(self, s: _Static) -> torch.Tensor:
         """Forward, backward, the gradient norm and the update; the scalars `[loss, sums...,
         norm]` (what a graph captures)."""
-        loss, sums, (ids, rows) = self.loss(s)
+        loss, sums, (ids, rows, small_ids) = self.loss(s)
         loss.backward()
         table = self.table
         for p in self.params:
@@ -339,15 +354,15 @@ class StepGraphs:
                 p.grad = torch.zeros_like(p)  # as the eager step
         grads = [p.grad for p in self.params if p is not table]
         table_sq = self._update_table(ids, rows.grad)
+        if self.tables is not None:
+            self._update_small_tables(small_ids)
         norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + table_sq)
-        self.optimizer.step()  # every parameter but the item table (no .grad: skipped)
+        self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
         parts = [loss.detach(), *sums.values(), norm]
         out = torch.stack([t.float() for t in parts])
-        if self.capture:  # the graph's gradients live in the shared pool; see the docstring
-            for p in self.params:
-                p.grad = None
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        # captured: the graph's gradients live in the shared pool (see the docstring)
+        for p in self.params:
+            p.grad = None
         return out
 
     # ------------------------------------------------------------------ capture
@@ -368,7 +383,7 @@ class StepGraphs:
             for _ in range(self.warmup):
                 for p in self.params:
                     p.grad = None
-                loss, _, (ids, rows) = self.loss(s)
+                loss, _, (ids, rows, _) = self.loss(s)
                 loss.backward()
                 del loss
             self._update_table(ids, rows.grad, run=False)  # its kernels built, not run
@@ -391,7 +406,19 @@ class StepGraphs:
         # whether its kernels run compiled or in the interpreter (TRITON_INTERPRET=1)
         from hstu_kernels.triton.adamw_rows import adamw_rows_, compile_adamw_rows
 
-        table, state = self.table, self.optimizer.state[self.table]
+        table = self.table
+        if self.tables is not None:  # data_parallel Adam: the touched rows, one shared t
+            e, state = self.tables.cfg, self.tables.state["embedding.item"]
+            tensors = (table.detach(), state["m"], state["v"], self.tables.t, ids)
+            if not run:
+                return compile_adamw_rows(*tensors, grad_rows, sparse=True)
+            self.tables.t.add_(1)
+            with torch.no_grad():
+                return adamw_rows_(
+                    *tensors, grad_rows, lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps,
+                    weight_decay=e.weight_decay, sparse=True, advance_step=False,
+                )  # fmt: skip
+        state = self.optimizer.state[table]
         tensors = (table.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"], ids)
         if not run:
             return compile_adamw_rows(*tensors, grad_rows)
@@ -403,6 +430,23 @@ class StepGraphs:
                 weight_decay=group["weight_decay"],
             )  # fmt: skip
 
+    def _update_small_tables(self, small_ids: torch.Tensor) -> None:
+        """data_parallel Adam on the contextual and action tables (small: from their dense
+        gradients) where this step looked them up: `small_ids` index the two concatenated,
+        -1 where a position reads neither. After `_update_table` (which advanced t)."""
+        from hstu_kernels.triton.adamw_rows import adamw_masked_
+
+        e, tables = self.tables.cfg, self.model.embedding.embeddings
+        ctx, act = tables["contextual"].weight, tables["action"].weight
+        sink = ctx.shape[0] + act.shape[0]  # one more row: where -1 marks
+        marks = torch.zeros(sink + 1, dtype=torch.bool, device=ctx.device)
+        marks.index_fill_(0, torch.where(small_ids >= 0, small_ids, sink), True)
+        hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay)
+        with torch.no_grad():
+            for p, rows in ((ctx, marks[: ctx.shape[0]]), (act, marks[ctx.shape[0] : sink])):
+                state = self.tables.state["embedding." + ("contextual" if p is ctx else "action")]
+                adamw_masked_(p, state["m"], state["v"], p.grad, rows, self.tables.t, **hyper)
+
     def _init_state(self) -> None:
         """AdamW's state for every parameter that has none, created outside the graph (a
         capture would record its zero fills, resetting the moments at every replay): a step
@@ -410,7 +454,8 @@ class StepGraphs:
         back to 0. Parameters and moments stay exactly as they were (0 * anything, plus zero
         moments); parameters with state (a resumed run, eager steps) are not touched."""
         state = self.optimizer.state
-        fresh = [p for p in self.params if not state.get(p)]
+        owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        fresh = [p for p in self.params if id(p) in owned and not state.get(p)]
         if not fresh:
             return
         lrs = [g["lr"] for g in self.optimizer.param_groups]

@@ -96,10 +96,13 @@ class TorchBackend(TorchShuffler):
             check_cuda_graphs(self.cfg, self.device.type)
         bound = self.cfg.data.max_seqlen
         self.model.graphed = GraphedStack(self.model, policy, bound, capture=capture)
-        if self.cfg.train.graph_scope == "auto" and self.world_size == 1 and self.tables is None:
+        tables = self.tables
+        # data_parallel tables with Adam: their touched rows updated inside the graph
+        graphable = tables is None or (tables.kind == "replicated" and tables.adam)
+        if self.cfg.train.graph_scope == "auto" and self.world_size == 1 and graphable:
             self.step_graphs = StepGraphs(
                 self.model, self.optimizer, self.params, policy, bound, capture=capture,
-                max_candidates=self.cfg.data.max_candidates,
+                max_candidates=self.cfg.data.max_candidates, tables=tables,
             )  # fmt: skip
 
     def capacity_of(self, num_tokens: int) -> int:
@@ -147,6 +150,8 @@ class TorchBackend(TorchShuffler):
                     "updated": True,
                     "num_compiles": self._num_graphs(),
                 }
+        if self.tables is not None and self.tables.kind == "replicated":
+            self.tables.mark(batch)  # the rows Adam updates (sharding.py)
         self.buckets.start()
         loss, sums = self.model(batch, global_loss_tokens)
         self._mark(marks)
@@ -200,6 +205,8 @@ class TorchBackend(TorchShuffler):
                 self.tables.step()
             self._mark(handle["marks"])
             self.optimizer.zero_grad(set_to_none=True)
+        elif self.tables is not None:
+            self.tables.stepped()
         scalars = handle["scalars"]
         if self.device.type == "cuda":
             # Copy into pinned memory and mark the point: `fetch_metrics` waits for this step

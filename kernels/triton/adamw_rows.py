@@ -21,6 +21,13 @@ implementation's arithmetic, fp32) applies it to the dense gradient: every row's
 decay and every row takes its weight decay, touched or not. Only the traffic changes: the
 table, its two moments and their writes, nothing else of size `V`.
 
+`sparse=True` is the touched-rows Adam of `data_parallel` tables (docs/MODEL.md, fbgemm's
+`ADAM`): the same arithmetic on the looked-up rows only, by `_adamw_touched_kernel`, one
+program per sorted position (those that start a run update their row), in place of step 2:
+every other row and its moments are neither read nor written, and nothing of size `V` is
+built, so the update costs the lookups' traffic, not the table's (one H200, bench_upstream:
+-0.45 to -0.50 ms per step against the dense pass, docs/BENCHMARKS.md).
+
 `adamw_rows_reference_` is the same update through the dense gradient in plain torch (the
 tests' reference, and what runs on CPU outside the Triton interpreter).
 """
@@ -34,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _max, _reduce_sum
+from ._common import _add, _max, _reduce_sum
 
 # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), as in _launch.py
 _INTERPRET: bool
@@ -94,9 +101,19 @@ def _adamw_rows_kernel(
         )
     tl.store(Sq + pid_r * tl.num_programs(1) + pid_c, _reduce_sum(g * g))
     offs = rows[:, None] * D + cols[None, :]
-    p = tl.load(P + offs, mask=mask, other=0.0)
-    m = tl.load(M + offs, mask=mask, other=0.0)
-    v = tl.load(V2 + offs, mask=mask, other=0.0)
+    _adamw_tile(P + offs, M + offs, V2 + offs, mask, g, Step, lr, beta1, beta2, log2_beta1,
+                log2_beta2, eps, weight_decay)  # fmt: skip
+
+
+@triton.jit
+def _adamw_tile(
+    P, M, V2, mask, g, Step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay
+):  # fmt: skip
+    """AdamW as torch's fused kernel computes it (fp32, step count `Step` already advanced)
+    on the elements at pointers `P`, `M`, `V2` where `mask`, from their gradient `g`."""
+    p = tl.load(P, mask=mask, other=0.0)
+    m = tl.load(M, mask=mask, other=0.0)
+    v = tl.load(V2, mask=mask, other=0.0)
     step = tl.load(Step).to(tl.float32)
     bias1 = 1.0 - tl.exp2(step * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
@@ -104,9 +121,38 @@ def _adamw_rows_kernel(
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
-    tl.store(P + offs, p, mask=mask)
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V2 + offs, v, mask=mask)
+    tl.store(P, p, mask=mask)
+    tl.store(M, m, mask=mask)
+    tl.store(V2, v, mask=mask)
+
+
+@triton.jit
+def _adamw_touched_kernel(
+    P, M, V2, Starts, Ends, Sorted, G, stride_g, Sq, Step, D,
+    lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """`sparse=True`: position `i` of the sorted ids, if it starts its run (and the id is a
+    lookup): the run's chunk sums added, then AdamW on that row, columns `[pid_c * BLOCK_D,
+    ...)`. One program per position, so the work is the lookups', not the table's; the
+    row's squared gradient goes to `Sq[i, pid_c]` (zero for the other positions)."""
+    i = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    cols = pid_c * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    row = tl.load(Sorted + i)
+    sq = 0.0
+    if (row >= 0) & (tl.load(Starts + i) == i):
+        end = tl.load(Ends + i)
+        g = tl.full([BLOCK_D], 0.0, tl.float32)
+        run = G + i.to(tl.int64) * stride_g + cols
+        for k in range(0, end - i, CHUNK):  # the sums sit at the run's chunk starts
+            g += tl.load(run + k * stride_g, mask=cmask, other=0.0)
+        sq = tl.reduce(g * g, 0, _add)
+        offs = row * D + cols
+        _adamw_tile(P + offs, M + offs, V2 + offs, cmask, g, Step, lr, beta1, beta2,
+                    log2_beta1, log2_beta2, eps, weight_decay)  # fmt: skip
+    tl.store(Sq + i * tl.num_programs(1) + pid_c, sq)
 
 
 _INTERPRET = type(_adamw_rows_kernel).__name__ == "InterpretedFunction"
@@ -145,32 +191,42 @@ def adamw_rows_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    sparse: bool = False,
+    advance_step: bool = True,
 ) -> torch.Tensor:
     """One AdamW step of table `param [V, D]` (fp32, in place with its moments), whose
     gradient is that of the lookup `param[ids]`: `grad_rows [N, D]`, repeated ids summed.
     `step`: AdamW's step count (a one-element tensor, advanced by one here, as torch's
-    capturable AdamW keeps it). Returns the gradient's squared norm (an fp32 0-dim tensor).
-    No host synchronisation: capturable in a CUDA graph. Ids must be below `V`; a negative
-    id marks a position that is no lookup of this table (padding): its row is ignored."""
+    capturable AdamW keeps it; `advance_step=False`: already advanced by the caller, e.g. one
+    count shared by several tables). `sparse`: only the looked-up rows (module docstring).
+    Returns the gradient's squared norm (an fp32 0-dim tensor). No host synchronisation:
+    capturable in a CUDA graph. Ids must be below `V`; a negative id marks a position that is
+    no lookup of this table (padding): its row is ignored."""
     _check(param, exp_avg, exp_avg_sq, step, ids, grad_rows)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if not (param.is_cuda or _INTERPRET):
-        return adamw_rows_reference_(param, exp_avg, exp_avg_sq, step, ids, grad_rows, **hyper)
-    step.add_(1)
-    return _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run=True)
+        return adamw_rows_reference_(
+            param, exp_avg, exp_avg_sq, step, ids, grad_rows, **hyper, sparse=sparse,
+            advance_step=advance_step,
+        )  # fmt: skip
+    if advance_step:
+        step.add_(1)
+    return _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, True, sparse)
 
 
-def compile_adamw_rows(param, exp_avg, exp_avg_sq, step, ids, grad_rows) -> None:
+def compile_adamw_rows(
+    param, exp_avg, exp_avg_sq, step, ids, grad_rows, sparse: bool = False
+) -> None:
     """Compile the kernels `adamw_rows_` launches for these arguments without running them
     (nothing is read or written): before a CUDA graph capture, which should not be where a
     kernel is first built and loaded."""
     _check(param, exp_avg, exp_avg_sq, step, ids, grad_rows)
     if param.is_cuda and not _INTERPRET:
         hyper = dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
-        _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run=False)
+        _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, False, sparse)
 
 
-def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool):
+def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool, sparse: bool):
     num_rows, d = param.shape
     n = ids.numel()
     if n == 0:  # nothing looked up: a zero gradient everywhere
@@ -180,18 +236,71 @@ def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool):
     sorted_ids, perm = torch.sort(ids.to(torch.int64), stable=True)
     starts = torch.searchsorted(sorted_ids, sorted_ids)
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
-    key = (num_rows, param.device)
-    if key not in _ARANGE:
-        _ARANGE[key] = torch.arange(num_rows, device=param.device)
-    first = torch.searchsorted(sorted_ids, _ARANGE[key])
     grad_rows = grad_rows if grad_rows.stride(-1) == 1 else grad_rows.contiguous()
     sums = torch.empty((n, d), dtype=torch.float32, device=param.device)
     block_d = triton.next_power_of_2(d)
     block_c = min(block_d, 1024)
-    block_r = max(1, 4096 // block_c)
-    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(d, block_c))
-    sq = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=param.device)
     b1, b2 = hyper["beta1"], hyper["beta2"]
+    adamw = (
+        hyper["lr"],
+        b1,
+        b2,
+        math.log2(b1) if b1 > 0 else -math.inf,
+        math.log2(b2) if b2 > 0 else -math.inf,
+        hyper["eps"],
+        hyper["weight_decay"],
+    )
+    if sparse:  # one program per sorted position: the touched rows' work only
+        grid = (n, triton.cdiv(d, block_c))
+        sq = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=param.device)
+        update = (
+            _adamw_touched_kernel,
+            grid,
+            (
+                param,
+                exp_avg,
+                exp_avg_sq,
+                starts,
+                ends,
+                sorted_ids,
+                sums,
+                sums.stride(0),
+                sq,
+                step,
+                d,
+                *adamw,
+            ),  # fmt: skip
+            dict(CHUNK=CHUNK, BLOCK_D=block_c, num_warps=4 if block_c <= 512 else 8),
+        )
+    else:  # every row of the table
+        key = (num_rows, param.device)
+        if key not in _ARANGE:
+            _ARANGE[key] = torch.arange(num_rows, device=param.device)
+        first = torch.searchsorted(sorted_ids, _ARANGE[key])
+        block_r = max(1, 4096 // block_c)
+        grid = (triton.cdiv(num_rows, block_r), triton.cdiv(d, block_c))
+        sq = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=param.device)
+        update = (
+            _adamw_rows_kernel,
+            grid,
+            (
+                param,
+                exp_avg,
+                exp_avg_sq,
+                first,
+                ends,
+                sorted_ids,
+                sums,
+                sums.stride(0),
+                sq,
+                step,
+                n,
+                num_rows,
+                d,
+                *adamw,
+            ),  # fmt: skip
+            dict(CHUNK=CHUNK, BLOCK_R=block_r, BLOCK_D=block_c, num_warps=8),
+        )
     launches = [
         (
             _chunk_sums_kernel,
@@ -209,33 +318,7 @@ def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool):
             ),  # fmt: skip
             dict(CHUNK=CHUNK, BLOCK_D=block_d, num_warps=4 if block_d <= 1024 else 8),
         ),
-        (
-            _adamw_rows_kernel,
-            grid,
-            (
-                param,
-                exp_avg,
-                exp_avg_sq,
-                first,
-                ends,
-                sorted_ids,
-                sums,
-                sums.stride(0),
-                sq,
-                step,
-                n,
-                num_rows,
-                d,
-                hyper["lr"],
-                b1,
-                b2,
-                math.log2(b1) if b1 > 0 else -math.inf,
-                math.log2(b2) if b2 > 0 else -math.inf,
-                hyper["eps"],
-                hyper["weight_decay"],
-            ),  # fmt: skip
-            dict(CHUNK=CHUNK, BLOCK_R=block_r, BLOCK_D=block_c, num_warps=8),
-        ),
+        update,
     ]
     with torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext():
         for kernel, grid_, args, meta in launches:
@@ -247,19 +330,37 @@ def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool):
 
 
 def adamw_rows_reference_(
-    param, exp_avg, exp_avg_sq, step, ids, grad_rows, *, lr, beta1, beta2, eps, weight_decay
-) -> torch.Tensor:
+    param, exp_avg, exp_avg_sq, step, ids, grad_rows, *, lr, beta1, beta2, eps, weight_decay,
+    sparse=False, advance_step=True,
+) -> torch.Tensor:  # fmt: skip
     """`adamw_rows_` through the dense gradient, in plain torch (same arguments, same result
     up to rounding)."""
     _check(param, exp_avg, exp_avg_sq, step, ids, grad_rows)
     keep = ids >= 0
     grad = torch.zeros_like(param).index_add_(0, ids[keep].long(), grad_rows[keep].float())
-    step.add_(1)
+    if advance_step:
+        step.add_(1)
+    rows = None
+    if sparse:
+        rows = torch.zeros(param.shape[0], dtype=torch.bool, device=param.device)
+        rows.index_fill_(0, ids[keep].long(), True)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    adamw_masked_(param, exp_avg, exp_avg_sq, grad, rows, step, **hyper)
+    return grad.square().sum()
+
+
+def adamw_masked_(
+    param, exp_avg, exp_avg_sq, grad, rows, step, *, lr, beta1, beta2, eps, weight_decay
+) -> None:
+    """AdamW from the dense gradient `grad [V, D]` on the rows where `rows [V]` (bool) is
+    set, every row when it is None; `step` already advanced. Plain torch, no host sync."""
     t = step.reshape(()).float()
-    param.mul_(1.0 - lr * weight_decay)
-    exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    new_m = exp_avg * beta1 + grad * (1.0 - beta1)
+    new_v = exp_avg_sq * beta2 + grad * grad * (1.0 - beta2)
     bias1 = 1.0 - torch.pow(beta1, t)
     bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t))
-    param.sub_((lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps))
-    return grad.square().sum()
+    new_p = param * (1.0 - lr * weight_decay) - (lr / bias1) * new_m / (
+        new_v.sqrt() / bias2_sqrt + eps
+    )
+    for out, new in ((param, new_p), (exp_avg, new_m), (exp_avg_sq, new_v)):
+        out.copy_(new if rows is None else torch.where(rows[:, None], new, out))

@@ -91,12 +91,6 @@ def test_inputs_are_not_modified_and_bad_ids_are_errors(rng):
         embedding_opt.init_state("sgd", 4, 2)
 
 
-def test_data_parallel_adam_is_a_config_error():
-    with pytest.raises(HSTUError, match="embedding.optimizer.*data_parallel"):
-        load_config(DEMO_CONFIG, ["embedding.sharding=data_parallel", "embedding.optimizer=adam"])
-    load_config(DEMO_CONFIG, ["embedding.sharding=data_parallel"])  # row_wise_adagrad: fine
-
-
 def test_row_wise_adagrad_with_weight_decay_is_a_config_error():
     with pytest.raises(HSTUError, match="embedding.weight_decay"):
         load_config(DEMO_CONFIG, ["embedding.sharding=row_wise", "embedding.weight_decay=0.1"])

@@ -61,6 +61,8 @@ STEP_CASES = [  # world size, task, optimizer, sharding
     (4, "ranking", "row_wise_adagrad", "row_wise"),
     (4, "retrieval", "adam", "table_wise"),
     (2, "retrieval", "row_wise_adagrad", "data_parallel"),
+    (2, "ranking", "adam", "data_parallel"),
+    (1, "ranking", "adam", "data_parallel"),  # one rank: its distinct ids, no re-sort
 ]
 
 
@@ -210,7 +212,7 @@ def _step_case(mesh, task, optimizer, sharding) -> dict:
     setup = emb.EmbeddingSetup.from_config(cfg, w)
     dense_model = build_model(cfg.model, cfg.data.max_seqlen)
     model = build_model(cfg.model, cfg.data.max_seqlen, external_tables=True)
-    host = make_global_batch(cfg, 6, [6, 4, 0, 5][:w] if w == 4 else [6, 3], first_id=7)
+    host = make_global_batch(cfg, 6, [6, 4, 0, 5][:w] if w == 4 else [6, 3][:w], first_id=7)
     cost = HSTUCost.from_model_config(cfg.model)
     glt = np.float32(sample_stats(host, cost, task)[:, STAT_LOSS_TOKENS].sum())
     batch = JaxShuffler(mesh, "all2all").shuffle(host, cost, task, shuffler="balanced")
@@ -379,7 +381,7 @@ def steps_worker(cases: list) -> dict:
 
     from hstu.jax_backend import collectives as col
 
-    meshes = {w: col.make_mesh(jax.devices()[:w]) for w in (2, 4)}
+    meshes = {w: col.make_mesh(jax.devices()[:w]) for w in (1, 2, 4)}
     import time
 
     out, times = {}, {}

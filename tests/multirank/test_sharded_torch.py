@@ -169,6 +169,21 @@ def test_every_sharding_matches_the_replicated_loss_and_the_reference_update(one
     }
 
 
+@pytest.mark.multirank
+def test_data_parallel_adam_updates_the_ranks_touched_rows_as_the_reference():
+    """Replicated tables with Adam (no fbgemm kernel: ours, so on gloo too): every rank's
+    marks combined, the reference update on the union, every other row bit-identical, the
+    same collectives on both ranks."""
+    results = run_on_ranks(_one_step_worker, WORLD, "adam", ("data_parallel",))
+    _check_reference_update(results, "adam", ("data_parallel",))
+    reduce = ("all_reduce", "default")
+    for key, r in results[0].items():
+        assert r["collectives"] == results[1][key]["collectives"], key
+        if key[1] == "data_parallel":  # the marks' MAX all-reduce: one more than replicated
+            none = results[0][(key[0], "none", "identity")]["collectives"].count(reduce)
+            assert r["collectives"].count(reduce) == none + 1, key
+
+
 @pytest.mark.gpu
 @pytest.mark.multirank
 def test_adam_on_nccl_matches_the_reference_update():
@@ -262,16 +277,21 @@ def test_checkpoint_resume_continues_bit_exactly_and_on_another_world_size(tmp_p
             *extra,
         )
 
-    # row_wise at W=2 (spawned ranks); data_parallel at W=1 (in-process: quicker)
-    for sharding, world in (("row_wise", WORLD), ("data_parallel", 1)):
-        ws = f"dist.world_size={world}"
-        full = train(cfg(tmp_path / f"{sharding}-full", sharding, "train.steps=4", ws))
-        ckpt = tmp_path / f"{sharding}-ckpt"
-        train(cfg(ckpt, sharding, "train.steps=2", "train.checkpoint_every=2", ws))
-        resumed = train(cfg(ckpt, sharding, "train.steps=4", "train.resume=true", ws))
+    # row_wise at W=2 (spawned ranks); data_parallel at W=1 (in-process: quicker), with
+    # row-wise Adagrad and with Adam (its moments and its t on the device resumed)
+    for sharding, world, opt in (
+        ("row_wise", WORLD, "row_wise_adagrad"),
+        ("data_parallel", 1, "row_wise_adagrad"),
+        ("data_parallel", 1, "adam"),
+    ):
+        ws, o = f"dist.world_size={world}", f"embedding.optimizer={opt}"
+        full = train(cfg(tmp_path / f"{sharding}-{opt}-full", sharding, "train.steps=4", ws, o))
+        ckpt = tmp_path / (f"{sharding}-ckpt" if opt == "row_wise_adagrad" else f"{opt}-ckpt")
+        train(cfg(ckpt, sharding, "train.steps=2", "train.checkpoint_every=2", ws, o))
+        resumed = train(cfg(ckpt, sharding, "train.steps=4", "train.resume=true", ws, o))
         assert [r["step"] for r in resumed] == [2, 3]
         for a, b in zip(full[2:], resumed, strict=True):
-            assert b["loss"] == a["loss"], sharding  # bit-exact
+            assert b["loss"] == a["loss"], (sharding, opt)  # bit-exact
         if sharding == "row_wise":
             full_row_wise = full
     # elastic: the row-wise checkpoint of 2 ranks (step-2) into 1 rank taking the same global

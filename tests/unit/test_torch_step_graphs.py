@@ -87,7 +87,8 @@ def test_the_padded_step_gives_the_eager_loss_metrics_and_gradients(task):
         lengths = {k: tb.host_lengths[tb.keys.index(k)] for k in keys}
         static = static or graphs._static(64, tb.batch_size, 64)
         graphs._fill(static, tb, lengths, glt)
-        loss, sums, (ids, rows) = graphs.loss(static)
+        loss, sums, (ids, rows, small) = graphs.loss(static)
+        assert small is None  # the small tables' marks: data_parallel Adam only
         loss.backward()
         assert graphs.table.grad is None  # its gradient is its looked-up rows'
         keep = ids >= 0
@@ -114,22 +115,38 @@ def _backend(cfg, step_graphs: bool):
     return backend
 
 
-@pytest.mark.parametrize(
-    "task",
-    # retrieval's step graph (~12 s on 2 cores) runs with the end-to-end tests (make test-slow)
-    ["ranking", pytest.param("retrieval", marks=pytest.mark.slow)],
+DATA_PARALLEL_ADAM = (
+    "embedding.sharding=data_parallel",
+    "embedding.optimizer=adam",
+    "embedding.lr=0.01",
+    "embedding.weight_decay=0.1",
 )
-def test_the_backend_trains_from_step_graphs_as_the_eager_step(task):
+
+
+@pytest.mark.parametrize(
+    "task,tables",
+    # retrieval's step graph (~12 s on 2 cores) runs with the end-to-end tests (make test-slow)
+    [
+        ("ranking", "dense"),
+        ("ranking", "data_parallel_adam"),
+        pytest.param("retrieval", "dense", marks=pytest.mark.slow),
+        pytest.param("retrieval", "data_parallel_adam", marks=pytest.mark.slow),
+    ],
+)
+def test_the_backend_trains_from_step_graphs_as_the_eager_step(task, tables):
     """Four steps across two capacities and a batch past the length bound (eager) through
     `TorchBackend`: the metrics, the step-graph count and the updated parameters as the eager
-    backend's; `grads()` after a graphed step is a clear error."""
-    cfg = _cfg(task, "model.dropout=0.0", "train.weight_decay=0.1")
+    backend's; `grads()` after a graphed step is a clear error. data_parallel Adam: the graph
+    updates the touched rows of every table only, as the eager step."""
+    extra = DATA_PARALLEL_ADAM if tables == "data_parallel_adam" else ()
+    cfg = _cfg(task, "model.dropout=0.0", "train.weight_decay=0.1", *extra)
     runs = {}
     for graphed in (False, True):
         backend = _backend(cfg, graphed)
-        metrics = []
+        metrics, seen = [], []
         for i, real in enumerate((2, 6, 2, 5)):
             batch = make_global_batch(cfg, cfg.data.batch_size, (real,), first_id=7 * i)[0]
+            seen.append(batch)
             if i == 3 and graphed:
                 backend.step_graphs.max_seqlen = 1  # every sample past the bound: eager
             glt = int(loss_tokens(batch, task).sum())
@@ -151,6 +168,21 @@ def test_the_backend_trains_from_step_graphs_as_the_eager_step(task):
     # step (lr): held to 5 % of it per step; a stale input or a missed update moves whole steps
     for name, value in want_p.items():
         assert np.abs(got_p[name] - value).max() < 4 * 0.05 * cfg.train.lr, name
+    if extra:  # rows no batch looked up, and their moments, are the init's exactly
+        init = init_params(cfg.model, cfg.train.seed)
+        state = backend.tables.state
+        assert backend.tables.count == 4 and float(backend.tables.t) == 4
+        keys = {"item": ("item", "candidate", "negative"), "contextual": ("contextual",)}
+        keys["action"] = ("action",)
+        for table, features in keys.items():
+            name = f"embedding.{table}"
+            ids = [np.asarray(b.values[f]) for b in seen for f in features if f in b.values]
+            touched = np.zeros(init[name].shape[0], bool)
+            touched[np.concatenate(ids)] = True
+            assert touched.any() and not touched.all(), name
+            # weight decay moves every touched row, nothing moves another
+            np.testing.assert_array_equal(np.any(got_p[name] != init[name], axis=1), touched)
+            assert not state[name]["m"].numpy()[~touched].any(), name
 
 
 def test_init_state_leaves_parameters_and_moments_as_they_were():
@@ -172,8 +204,11 @@ def test_init_state_leaves_parameters_and_moments_as_they_were():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_captured_step_graphs_train_as_the_eager_step(task):
+@pytest.mark.parametrize(
+    "task,tables",
+    [("ranking", "dense"), ("retrieval", "dense"), ("ranking", "data_parallel_adam")],
+)
+def test_captured_step_graphs_train_as_the_eager_step(task, tables):
     """On a GPU: six steps alternating between two capacities (graphs sharing one pool,
     replayed out of capture order) from captured step graphs, against the eager step: the
     same losses, metrics and parameters (to rounding)."""
@@ -181,7 +216,10 @@ def test_captured_step_graphs_train_as_the_eager_step(task):
         pytest.skip("needs a CUDA GPU (run on the GPU machine)")
     from hstu.torch_backend.train_step import TorchBackend
 
-    cfg = _cfg(task, "model.attention=kernel", "model.dropout=0.0", "train.weight_decay=0.1")
+    extra = DATA_PARALLEL_ADAM if tables == "data_parallel_adam" else ()
+    cfg = _cfg(
+        task, "model.attention=kernel", "model.dropout=0.0", "train.weight_decay=0.1", *extra
+    )
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)

@@ -85,6 +85,55 @@ def test_rows_update_is_dense_adamw(d, update):
     _check_against_torch(37, d, "cpu", fused=None, update=update)
 
 
+def _check_sparse_against_reference(num_rows, d, device, update, n=150, atol=1e-6):
+    """`sparse=True` against the touched-rows Adam of sharded tables (`hstu.embedding_opt`,
+    numpy): the looked-up rows move, the others and their moments are left bit-identical; the
+    count advanced by the caller (`advance_step=False`)."""
+    from types import SimpleNamespace
+
+    from hstu import embedding_opt
+
+    w0 = torch.randn(num_rows, d, generator=torch.Generator().manual_seed(1))
+    state = _state(w0, device)
+    want, want_state = w0.numpy().copy(), embedding_opt.init_state("adam", num_rows, d)
+    cfg = SimpleNamespace(**{k: v for k, v in HYPER.items()})
+    touched = torch.zeros(num_rows, dtype=torch.bool)
+    for ids, rows in _lookups(num_rows, d, 4, n, device):
+        keep = (ids >= 0).cpu()
+        uniq, g = embedding_opt.row_gradients(ids.cpu()[keep].numpy(), rows.cpu()[keep].numpy())
+        want, want_state = embedding_opt.apply("adam", want_state, want, uniq, g, cfg)
+        touched[uniq] = True
+        state[3].add_(1)
+        sq = update(*state, ids, rows, **HYPER, sparse=True, advance_step=False)
+        torch.testing.assert_close(sq.cpu(), torch.tensor(float((g * g).sum())), rtol=1e-5, atol=0)
+    for name, got, exp in zip(("param", "m", "v"), state, (want, want_state["m"], want_state["v"])):
+        torch.testing.assert_close(
+            got.cpu(),
+            torch.from_numpy(exp),
+            rtol=1e-5,
+            atol=atol,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
+    assert float(state[3]) == 4 and touched.any() and not touched.all()
+    untouched = ~touched
+    assert torch.equal(state[0].cpu()[untouched], w0[untouched])  # bit-identical
+    assert not state[1].cpu()[untouched].any() and not state[2].cpu()[untouched].any()
+
+
+@pytest.mark.parametrize("update", [adamw_rows_, adamw_rows_reference_])
+def test_sparse_rows_update_is_the_touched_rows_adam(update):
+    if _CUDA:
+        pytest.skip("the CPU interpreter's case; the GPU test below runs the compiled kernels")
+    _check_sparse_against_reference(37, 24, "cpu", update)
+
+
+@pytest.mark.gpu
+def test_compiled_sparse_rows_update_is_the_touched_rows_adam():
+    if not _CUDA:
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    _check_sparse_against_reference(5000, 1024, "cuda", adamw_rows_, n=3000, atol=2e-5)
+
+
 def test_bad_input_is_named():
     p = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="grad_rows"):
