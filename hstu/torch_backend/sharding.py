@@ -82,6 +82,7 @@ class ReplicatedTables:
         self.dense = {n: p for n, p in named.items() if not n.startswith(EMBEDDING_PREFIX)}
         self.reduced_params = list(model.parameters())  # the bucket layout of sharding=none
         self.adam = self.cfg.optimizer == "adam"
+        device = next(iter(self.tables.values())).device
         if self.adam:
             self.state = {
                 n: {"m": torch.zeros_like(p), "v": torch.zeros_like(p)}
@@ -89,16 +90,13 @@ class ReplicatedTables:
             }
             # one row mark per table, concatenated: one all-reduce per step
             sizes = [p.shape[0] for p in self.tables.values()]
-            device = next(iter(self.tables.values())).device
             self._marks = torch.zeros(sum(sizes), device=device)
             self.marks = dict(zip(self.tables, self._marks.split(sizes), strict=True))
         else:
             self.state = {n: {"sum": torch.zeros(p.shape[0], device=p.device)}
                           for n, p in self.tables.items()}  # fmt: skip
         # the update's t on the device (Adam's bias correction; a step graph advances it too)
-        self.t = torch.zeros(
-            (), dtype=torch.float32, device=next(iter(self.tables.values())).device
-        )
+        self.t = torch.zeros((), dtype=torch.float32, device=device)
         self.count = 0
         # table name -> the batch keys it is looked up at (docs/MODEL.md token table)
         self.features = {
@@ -120,6 +118,8 @@ class ReplicatedTables:
 
     @torch.no_grad()
     def step(self) -> None:
+        from hstu_kernels.triton.adamw_rows import adamw_masked_
+
         e = self.cfg
         self.count += 1
         self.t.add_(1)
@@ -129,8 +129,6 @@ class ReplicatedTables:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             st = self.state[name]
             if self.adam:
-                from hstu_kernels.triton.adamw_rows import adamw_masked_
-
                 adamw_masked_(
                     p, st["m"], st["v"], g, self.marks[name] > 0, self.t, lr=e.lr,
                     beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay,
