@@ -292,7 +292,10 @@ def test_exposed_balancer_time_counts_a_dispatch_blocked_on_the_device(demo_cfg,
         assert r["balancer_s"] >= 0.004
         if behind:
             assert r["device_wait_s"] >= 0.015 and r["exposed_balancer_s"] == 0.0
-        else:  # only preemption of the spinning thread reads as waiting
-            assert r["device_wait_s"] < 0.01
+        else:
+            # The 20 ms the dispatch spun are CPU time, never read as waiting; only a
+            # preemption of the thread (any length on a loaded machine) may be.
+            waited_in = r["host_s"]["dispatch"] + r["host_s"]["fetch_wait"]
+            assert waited_in - r["device_wait_s"] >= 0.02 * 0.99
             want = max(0.0, r["balancer_s"] - r["device_wait_s"])
             assert r["exposed_balancer_s"] == pytest.approx(want)
