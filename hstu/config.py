@@ -452,14 +452,6 @@ class Config:
         for sub in subs:
             sub.validate()
         self.eval.check_task(self.model.task)
-        _check(
-            not (self.bench.probe_every and self.embedding.sharded),
-            "bench.probe_every",
-            self.bench.probe_every,
-            f"probes time replicated tables (a probe's extra backward would update sharded "
-            f"ones): set bench.probe_every=0 or embedding.sharding=none (it is "
-            f"{self.embedding.sharding})",
-        )
         if self.data.source != "prepared":
             _check(
                 not self.train.eval_every,

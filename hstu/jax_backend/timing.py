@@ -53,6 +53,24 @@ def donated_update(optimizer) -> Callable:
     return jax.jit(lambda state: (update(*state), None), donate_argnums=(0,))
 
 
+def donated_tables_update(optimizer, setup, mesh) -> Callable:
+    """`((params, opt_state, tables), routes) -> ((params, opt_state, tables), None)`: with
+    sharded tables the update of both, the dense params' on zero gradients and the tables'
+    touched rows (those of `routes`, `embedding.make_lookup`'s) on zero row gradients,
+    state donated, for `time_chained`."""
+    from hstu.jax_backend import embedding as emb
+    from hstu.jax_backend.train_step import _zero_update
+
+    dense, tables_update = _zero_update(optimizer), emb.make_update(setup, mesh, col.DATA_AXIS)
+
+    def update(state, routes, rows):
+        params, opt_state, tables = state
+        tables, _ = tables_update(tables, routes, jax.tree.map(jax.numpy.zeros_like, rows))
+        return (*dense(params, opt_state), tables), None
+
+    return jax.jit(update, donate_argnums=(0,))
+
+
 def time_chained(fn: Callable, state, repeats: int) -> float:
     """Median seconds of `fn(state) -> (state, aux)`, a program that donates its state as the
     train step does: each call consumes the last one's output, on a copy of
@@ -74,15 +92,21 @@ def shard_on(x: jax.Array, device) -> jax.Array:
 
 
 class RankTimer:
-    """Forward (+ backward) of one rank's batch shard, alone on its device."""
+    """Forward (+ backward) of one rank's batch shard, alone on its device. With sharded
+    tables (a model with external tables) from the rank's looked-up rows, the backward
+    ending at them, as the sharded step differentiates: the lookup's collectives and the
+    tables' update are not in the time."""
 
     def __init__(self, model):
-        def loss(params, batch, global_loss_tokens):
-            out, _ = model.apply({"params": params}, jb.local_view(batch), global_loss_tokens)
+        def loss(params, batch, global_loss_tokens, ids=None, rows=None):
+            tables = None if ids is None else {n: (ids[n][0], rows[n][0]) for n in ids}
+            out, _ = model.apply(
+                {"params": params}, jb.local_view(batch), global_loss_tokens, tables=tables
+            )
             return out
 
         self._forward = jax.jit(loss)
-        self._forward_backward = jax.jit(jax.value_and_grad(loss))
+        self._forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
 
     def time(
         self,
@@ -92,12 +116,14 @@ class RankTimer:
         global_loss_tokens: float,
         repeats: int = 3,
         forward_only: bool = False,
+        looked_up: tuple[dict, dict] | None = None,
     ) -> float:
-        p = jax.tree.map(lambda x: shard_on(x, device), params)
-        b = jax.tree.map(lambda x: shard_on(x, device), batch)
+        """`looked_up`: `(ids, rows)` of `embedding.make_lookup` for `batch` (sharded tables)."""
+        p, b, t = jax.tree.map(lambda x: shard_on(x, device), (params, batch, looked_up))
+        ids, rows = t if t is not None else (None, None)
         fn = self._forward if forward_only else self._forward_backward
         glt = np.float32(global_loss_tokens)
-        return median_time(lambda: fn(p, b, glt), repeats)
+        return median_time(lambda: fn(p, b, glt, ids, rows), repeats)
 
 
 class LocalTimer:

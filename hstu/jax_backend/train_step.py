@@ -319,49 +319,68 @@ class JaxBackend:
 
         JAX fuses the step into one program, so its parts are timed as programs of their own
         on the same arrays: each local rank's forward + backward alone on its device
-        (`compute_s_before` / `_after`: the batch as loaded and as balanced) and, with
+        (`compute_s_before` / `_after`: the batch as loaded and as balanced; with sharded
+        tables from the rows the step's lookup gives, as torch times them) and, with
         `phases`, the forward alone, the whole step and the update alone (both in place, state
-        donated as in training, on a copy of the state); `grad_reduce` is what the step takes
-        beyond the slowest rank's forward + backward and the update. Each program compiles
-        once per shape."""
-        from hstu.jax_backend.timing import RankTimer, donated_update, time_chained
+        donated as in training, on a copy of the state; with sharded tables the update is the
+        dense params' and the tables' touched rows'); `grad_reduce` is what the step takes
+        beyond the slowest rank's forward + backward and the update (with sharded tables: the
+        lookup's and the row gradients' exchanges too). Each program compiles once per shape."""
+        from hstu.jax_backend import timing
 
         if self.model is None or self.optimizer is None:
             raise HSTUError("JaxBackend.probe needs the model and optimizer it was built with")
-        if self.tables is not None:
-            raise HSTUError(
-                "hstu bench e2e: the JAX phase probes time replicated tables; run them with "
-                "embedding.sharding=none"
-            )
+        mesh, setup = self.shuffler.mesh, self.tables
         if not self._timers:
-            self._timers["rank"] = RankTimer(self.model)
-            self._timers["step"] = make_train_step(self.model, self.optimizer, self.shuffler.mesh)
-            self._timers["update"] = donated_update(self.optimizer)
+            self._timers["rank"] = timing.RankTimer(self.model)
+            if setup is None:
+                self._timers["step"] = make_train_step(self.model, self.optimizer, mesh)
+                self._timers["update"] = timing.donated_update(self.optimizer)
+            else:
+                step = make_sharded_train_step(self.model, self.optimizer, setup, mesh)
+                self._timers["step"] = step
+                self._timers["update"] = timing.donated_tables_update(self.optimizer, setup, mesh)
+                self._timers["lookup"] = jax.jit(emb.make_lookup(setup, mesh, col.DATA_AXIS))
         jax.block_until_ready(self.state)
-        devices = list(self.shuffler.mesh.devices.flat)
+        devices = list(mesh.devices.flat)
         glt = float(prepared.stats[:, STAT_LOSS_TOKENS].sum())
         params, ranks = self.state.params, self._timers["rank"]
 
-        def per_rank(placed, forward_only=False):
+        def looked_up(placed):
+            if setup is None:
+                return None, None
+            routes, rows = self._timers["lookup"](self.state.tables["weights"], placed.batch)
+            return routes, ({n: r["uniq"] for n, r in routes.items()}, rows)
+
+        def per_rank(placed, forward_only=False, looked=None):
             return [
-                ranks.time(params, placed.batch, devices[r], glt, repeats, forward_only)
+                ranks.time(params, placed.batch, devices[r], glt, repeats, forward_only, looked)
                 for r in self.local_ranks
             ]
 
         ensure = self.shuffler.ensure  # the host exchange leaves the loaded split on the host
-        after_placed = ensure(prepared.device_batch)
-        before = per_rank(ensure(prepared.loaded_batch))
-        after = per_rank(after_placed)
+        after_placed, before_placed = ensure(prepared.device_batch), ensure(prepared.loaded_batch)
+        routes, after_looked = looked_up(after_placed)
+        before = per_rank(before_placed, looked=looked_up(before_placed)[1])
+        after = per_rank(after_placed, looked=after_looked)
         b = after_placed.batch.spec.batch_size
         ns = np.repeat(np.rint(np.array([before, after]).T * 1e9).astype(np.int64), b, axis=0)
-        every = col.allgather_stats(self.shuffler.mesh, ns)[::b] / 1e9  # [W, 2]
+        every = col.allgather_stats(mesh, ns)[::b] / 1e9  # [W, 2]
         out = {"compute_s_before": every[:, 0].tolist(), "compute_s_after": every[:, 1].tolist()}
         if phases:
-            forward = per_rank(after_placed, forward_only=True)
+            forward = per_rank(after_placed, forward_only=True, looked=after_looked)
             step, glt32 = self._timers["step"], np.float32(glt)
-            step_s = time_chained(lambda s: step(s, after_placed.batch, glt32), self.state, repeats)
-            update = self._timers["update"]
-            update_s = time_chained(update, (self.state.params, self.state.opt_state), repeats)
+            step_s = timing.time_chained(
+                lambda s: step(s, after_placed.batch, glt32), self.state, repeats
+            )
+            update, st = self._timers["update"], self.state
+            if setup is None:
+                update_s = timing.time_chained(update, (st.params, st.opt_state), repeats)
+            else:
+                rows = after_looked[1]
+                update_s = timing.time_chained(
+                    lambda s: update(s, routes, rows), (st.params, st.opt_state, st.tables), repeats
+                )
             out["device_s"] = {
                 "forward": forward[0],
                 "backward": after[0] - forward[0],

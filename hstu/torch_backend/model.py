@@ -196,16 +196,20 @@ class HSTUModel(nn.Module):
             rows.update(zip(table.feature_names, out.split([v.numel() for v in values])))
         return rows
 
-    def sequence(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
-        """Embed and lay out the tokens of every sample (docs/MODEL.md token table)."""
-        ids = tb.kjt.to_dict()
+    def looked_up(self, tb: TorchBatch) -> dict[str, torch.Tensor]:
+        """feature -> its rows `[N, D]`; with sharded tables (`embedding_keys` set) a
+        collective (TorchRec's lookup), which every rank calls for a batch of its own."""
         if self.embedding_keys is None:
-            emb = self._lookup(ids)
-        else:
-            sharded = self.embedding(
-                tb.kjt.permute([tb.keys.index(k) for k in self.embedding_keys])
-            )
-            emb = {name: jt.values() for name, jt in sharded.items()}
+            return self._lookup(tb.kjt.to_dict())
+        sharded = self.embedding(tb.kjt.permute([tb.keys.index(k) for k in self.embedding_keys]))
+        return {name: jt.values() for name, jt in sharded.items()}
+
+    def sequence(self, tb: TorchBatch, emb: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """Embed and lay out the tokens of every sample (docs/MODEL.md token table); `emb`:
+        the rows `looked_up` gives, where the caller looked them up already."""
+        ids = tb.kjt.to_dict()
+        if emb is None:
+            emb = self.looked_up(tb)
         lengths = dict(zip(tb.keys, tb.lengths_KB().to(torch.int64), strict=True))
         totals = dict(zip(tb.keys, tb.length_per_key(), strict=True))
         where = tb.token_layout().views()
@@ -251,17 +255,20 @@ class HSTUModel(nn.Module):
             x = layer(x, seq)
         return self.final_norm(x).float()
 
-    def encode(self, tb: TorchBatch) -> tuple[torch.Tensor, dict]:
+    def encode(self, tb: TorchBatch, emb: dict | None = None) -> tuple[torch.Tensor, dict]:
         """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout.
         Training with `graphed` set (graphs.py), the stack is replayed from a CUDA graph."""
-        x, seq = self.sequence(tb)
+        x, seq = self.sequence(tb, emb)
         if self.graphed is not None and self.training and torch.is_grad_enabled():
             return self.graphed(x, seq), seq
         return self.stack(x, seq), seq
 
-    def forward(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, dict]:
-        """(local loss sum / global target count, {metric: local sum}) for one batch."""
-        z, seq = self.encode(tb)
+    def forward(
+        self, tb: TorchBatch, global_loss_tokens: int, emb: dict | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """(local loss sum / global target count, {metric: local sum}) for one batch; `emb`:
+        its rows looked up already (`looked_up`), else the model looks them up."""
+        z, seq = self.encode(tb, emb)
         denom = float(max(int(global_loss_tokens), 1))
         if self.cfg.task == "ranking":
             return self._ranking_loss(z, seq, denom)

@@ -87,17 +87,27 @@ def time_forward_backward(
     global_loss_tokens: int,
     repeats: int = 3,
     forward_only: bool = False,
+    rows: dict[str, torch.Tensor] | None = None,
 ) -> float:
-    """Median device seconds of forward (+ backward) of `batch` alone; nothing is updated."""
+    """Median device seconds of forward (+ backward) of `batch` alone; nothing is updated.
+
+    `rows`: the batch's looked-up embedding rows (`HSTUModel.looked_up`, of the batch with
+    its padding stripped), leaves the backward ends at: sharded tables are then neither read
+    nor updated (TorchRec's fused backward would update them), and their collective lookup is
+    not in the time."""
     device = batch.device
     if batch.actual_batch_size:
         batch = batch.strip_padding()
     params = list(model.parameters())
+    if rows is not None:
+        rows = {k: v.detach().requires_grad_(not forward_only) for k, v in rows.items()}
 
     def run():
         for p in params:
             p.grad = None
-        loss, _ = model(batch, global_loss_tokens)
+        for r in (rows or {}).values():
+            r.grad = None
+        loss, _ = model(batch, global_loss_tokens, emb=rows)
         if not forward_only and loss.requires_grad:
             loss.backward()
 

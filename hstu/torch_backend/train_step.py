@@ -250,7 +250,9 @@ class TorchBackend(TorchShuffler):
 
         `device_s`: this rank's forward, backward, gradient reduction and update, from the
         events recorded inside the step. `compute_s_before` / `_after`: every rank's forward +
-        backward of its batch as loaded and as balanced, each run alone on its device."""
+        backward of its batch as loaded and as balanced, each run alone on its device; with
+        `embedding.sharding` != none from the rows looked up first (a collective with fused
+        tables, which the backward must not update), as the JAX backend times them."""
         marks, names = getattr(self, "_last_marks", (None, ()))
         device_s = (
             {n: a.elapsed_time(b) / 1e3 for n, a, b in zip(names, marks, marks[1:], strict=False)}
@@ -258,10 +260,16 @@ class TorchBackend(TorchShuffler):
             else {}
         )
         glt = int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
-        times = [
-            time_forward_backward(self.model, self.ready(b), glt, repeats)
-            for b in (prepared.loaded_batch, prepared.device_batch)
-        ]
+        times = []
+        for loaded in (prepared.loaded_batch, prepared.device_batch):
+            batch = self.ready(loaded)
+            if batch.actual_batch_size:
+                batch = batch.strip_padding()
+            rows = None
+            if self.tables is not None:
+                with torch.no_grad():
+                    rows = self.model.looked_up(batch)
+            times.append(time_forward_backward(self.model, batch, glt, repeats, rows=rows))
         ns = np.tile(np.rint(np.array(times) * 1e9).astype(np.int64), (self.batch_size, 1))
         gathered = collectives.allgather_stats(ns, self.world_size, self.device, self.group)
         every = gathered[:: self.batch_size] / 1e9  # [W, 2]

@@ -148,15 +148,15 @@ def test_packaged_recipes_load_by_name_from_any_directory(tmp_path):
 
 
 def test_sharded_tables_refuse_what_they_cannot_do():
-    """Before anything starts, the same in both backends: probes (an extra backward would
-    update sharded tables), weight decay with row-wise Adagrad."""
+    """Before anything starts, the same in both backends: weight decay with row-wise
+    Adagrad. Probes time sharded tables from their looked-up rows (both backends)."""
     cases = {
-        "bench.probe_every": ["embedding.sharding=row_wise", "bench.probe_every=3"],
         "embedding.weight_decay": ["embedding.sharding=auto", "embedding.weight_decay=0.1"],
     }
     for key, overrides in cases.items():
         with pytest.raises(HSTUError, match=f"config: {key}="):
             load_config(DEMO_CONFIG, overrides)
-    load_config(DEMO_CONFIG, ["bench.probe_every=3"])  # replicated tables: probes are fine
+    for sharding in ("none", "row_wise", "data_parallel"):
+        load_config(DEMO_CONFIG, [f"embedding.sharding={sharding}", "bench.probe_every=3"])
     # replicated tables take Adam on the rows the ranks touched (their marks combined)
     load_config(DEMO_CONFIG, ["embedding.sharding=data_parallel", "embedding.optimizer=adam"])

@@ -117,6 +117,22 @@ def test_checkpoint_resume_and_convert(tmp_path):
     assert r["on_four_losses"] == pytest.approx(r["full_losses"][2:], rel=1e-5)
 
 
+def test_probes_time_sharded_tables_and_leave_training_alone(tmp_path):
+    """`bench.probe_every` with sharded tables: every rank's forward + backward from its
+    looked-up rows and the step's phases are timed, and a run probed every step trains
+    exactly as one never probed (the probes' programs work on copies)."""
+    pytest.importorskip("jax")
+    r = run("probe_worker", devices=2, out=str(tmp_path))
+    for sharding, (probed, plain) in r.items():
+        assert [x["loss"] for x in probed] == [x["loss"] for x in plain], sharding  # bit-exact
+        for row in probed[1:]:  # step 0 compiles: probed from step 1
+            assert len(row["compute_s_before"]) == len(row["compute_s_after"]) == 2
+            assert all(t > 0 for t in row["compute_s_before"] + row["compute_s_after"]), row
+            dev = row["device_s"]
+            assert set(dev) == {"forward", "backward", "grad_reduce", "optimizer", "step"}
+            assert dev["step"] > 0 and dev["optimizer"] > 0 and dev["forward"] > 0, (sharding, dev)
+
+
 # ------------------------------------------------------------------------------ workers
 def _cfg(*overrides: str):
     from hstu.config import load_config
@@ -478,6 +494,26 @@ def resume_worker(out: str) -> dict:
         "diffs": [roundtrip, regrid],
         "times": np.diff(times + [time.perf_counter()]).round(1).tolist(),
     }
+
+
+def probe_worker(out: str) -> dict:
+    """Two ranks, 3 steps with and without probes, sharded (row_wise, Adam) and replicated
+    (data_parallel, row-wise Adagrad) tables."""
+    from hstu.jax_backend.launch import train
+
+    keep = ("loss", "compute_s_before", "compute_s_after", "device_s")
+    result = {}
+    for sharding, opt in (("row_wise", "adam"), ("data_parallel", "row_wise_adagrad")):
+        common = ["dist.world_size=2", "train.steps=3", "train.log_every=100"]
+        common += [f"embedding.sharding={sharding}", f"embedding.optimizer={opt}"]
+        runs = []
+        for probes in (["bench.probe_every=1", "bench.probe_after=1"], []):
+            rows = train(
+                _cfg(*common, *probes, f"output_dir={Path(out) / sharding / str(len(probes))}")
+            )
+            runs.append([{k: row[k] for k in keep if k in row} for row in rows])
+        result[sharding] = runs
+    return result
 
 
 if __name__ == "__main__":

@@ -255,11 +255,36 @@ def test_configs_this_backend_cannot_run_fail_before_any_rank_starts(tmp_path):
 
     cases = {
         "embedding.optimizer=adam runs on CUDA only": ["embedding.optimizer=adam"],
-        "bench.probe_every": ["bench.probe_every=2"],
     }
     for match, extra in cases.items():
-        with pytest.raises(HSTUError, match=match):  # (probes: already the config's check)
+        with pytest.raises(HSTUError, match=match):
             train(_cfg("ranking", "row_wise", f"output_dir={tmp_path}", "dist.device=cpu", *extra))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # ~20 s: `make test-slow`
+def test_probes_time_sharded_tables_and_leave_training_alone(tmp_path):
+    """`bench.probe_every` with sharded tables: every rank's forward + backward from its
+    looked-up rows (TorchRec's fused backward would update the tables: the probe's backward
+    ends at the rows), and a run probed every step trains exactly as one never probed."""
+    from hstu.torch_backend.launch import train
+
+    for sharding, world, opt in (
+        ("row_wise", WORLD, "row_wise_adagrad"),
+        ("data_parallel", 1, "adam"),
+    ):
+        common = ["train.steps=3", "train.log_every=100", "dist.device=cpu"]
+        common += [f"dist.world_size={world}", f"embedding.optimizer={opt}"]
+        probes = ["bench.probe_every=1", "bench.probe_after=1"]
+        probed = train(
+            _cfg("retrieval", sharding, *common, *probes, f"output_dir={tmp_path / 'a'}")
+        )
+        plain = train(_cfg("retrieval", sharding, *common, f"output_dir={tmp_path / 'b'}"))
+        assert [r["loss"] for r in probed] == [r["loss"] for r in plain], sharding  # bit-exact
+        assert ["compute_s_after" in r for r in probed] == [False, True, True], sharding
+        for r in probed[1:]:
+            assert len(r["compute_s_before"]) == len(r["compute_s_after"]) == world
+            assert all(t > 0 for t in r["compute_s_before"] + r["compute_s_after"]), r
 
 
 @pytest.mark.multirank
