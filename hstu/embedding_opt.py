@@ -19,6 +19,24 @@ import numpy as np
 from hstu.errors import HSTUError
 
 OPTIMIZERS = ("row_wise_adagrad", "adam")
+# Batch keys whose values each table is read at: every value is a touched row (docs/MODEL.md).
+TABLE_KEYS = {
+    "item": ("item", "candidate", "negative"),
+    "action": ("action",),
+    "contextual": ("contextual",),
+}
+
+
+def touched_rows(batches) -> dict[str, np.ndarray]:
+    """table -> the distinct rows (ascending, int64) that host batches (`JaggedBatch`es, every
+    rank's) look up: the rows one step's update moves."""
+    out = {}
+    for name, keys in TABLE_KEYS.items():
+        vals = [np.asarray(b.values[k]).reshape(-1) for b in batches for k in keys if k in b.values]
+        out[name] = (
+            np.unique(np.concatenate(vals)).astype(np.int64) if vals else np.zeros(0, np.int64)
+        )
+    return out
 
 
 def init_state(optimizer: str, num_rows: int, dim: int) -> dict:

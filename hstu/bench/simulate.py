@@ -11,7 +11,10 @@ rank, so the projected step is
     and for the balancer its exposed host time, measured at the world size the machine has and
     stated as such)
 
-and the projected speedup is identity's projected step over the balancer's. The report also
+and the projected speedup is identity's projected step over the balancer's. With sharded tables
+(`embedding.sharding`) each rank is timed from its looked-up rows, as the run's probes time it,
+and the update is the dense params' plus the tables' on the rows one global batch touches (what
+a `data_parallel` replica updates; a row-wise owner updates its share). The report also
 says how well FLOPs predict time: the per-rank time imbalance (max / mean) after balancing by
 FLOPs, and the correlation of per-rank FLOPs with per-rank time.
 
@@ -61,7 +64,7 @@ def simulate(cfg, backend: str, world: int, num_batches: int, warmup: int = 1) -
             row[name] = {"rank_s": rank_s, "rank_flops": flops.tolist()}
         if i >= warmup:  # the warm-up batch compiles (JAX buckets, Triton autotuning)
             rows.append(row)
-    update_s = timer.time_optimizer()
+    update_s = timer.time_optimizer(batches)  # sharded tables: this step's touched rows
     return summarize(rows, update_s, backend, world, timer.device_name)
 
 

@@ -40,15 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hstu import embedding_opt
 from hstu.errors import HSTUError
 
 TABLES = ("item", "action", "contextual")
-# Batch keys whose values each table is read at: every real value is a touched row.
-TABLE_KEYS = {
-    "item": ("item", "candidate", "negative"),
-    "action": ("action",),
-    "contextual": ("contextual",),
-}
+TABLE_KEYS = embedding_opt.TABLE_KEYS  # batch keys whose values each table is read at
 STATE_FIELDS = {"row_wise_adagrad": ("sum",), "adam": ("m", "v")}
 
 

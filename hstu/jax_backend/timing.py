@@ -13,6 +13,7 @@ then waited for, median of repeats, after a compiling warm-up):
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from hstu.batch import JaggedBatch
+from hstu.embedding_opt import touched_rows
 from hstu.jax_backend import batch as jb
 from hstu.jax_backend import collectives as col
 from hstu.pipeline import loss_tokens
@@ -131,20 +133,41 @@ class LocalTimer:
 
     def __init__(self, cfg, device=None, repeats: int = 3):
         from hstu.capacity import for_source
+        from hstu.jax_backend import embedding as emb
         from hstu.jax_backend.model import build_model
-        from hstu.jax_backend.state import init_state, make_optimizer
-        from hstu.params import init_params
+        from hstu.jax_backend.state import init_sharded_state, init_state, make_optimizer
+        from hstu.params import init_params, init_table_rows
 
         self.device = device or jax.devices()[0]
         self.cfg, self.repeats = cfg, repeats
         self.policy = for_source(cfg)  # the token capacities a run of `cfg` pads to
         self.mesh = col.make_mesh([self.device])
         cpu = self.device.platform == "cpu"
-        self.model = build_model(cfg.model, cfg.data.max_seqlen, interpret=cpu)
-        self.optimizer = make_optimizer(cfg.train)
-        self.state = init_state(
-            init_params(cfg.model, cfg.train.seed), self.optimizer, self.mesh, cfg.train.seed
+        sharded, seed = cfg.embedding.sharded, cfg.train.seed
+        self.model = build_model(
+            cfg.model, cfg.data.max_seqlen, interpret=cpu, external_tables=sharded
         )
+        self.optimizer = make_optimizer(cfg.train)
+        params = init_params(cfg.model, seed, tables=not sharded)
+        # sharded tables: every row on this one device (a replica), looked up and updated as
+        # a data_parallel step does (any sharding holds every row at one device)
+        self.setup = None
+        if sharded:
+            replica = dataclasses.replace(cfg.embedding, sharding="data_parallel")
+            self.setup = emb.EmbeddingSetup.from_config(
+                dataclasses.replace(cfg, embedding=replica), 1
+            )
+        if self.setup is None:
+            self.state = init_state(params, self.optimizer, self.mesh, seed)
+        else:
+
+            def table_rows(name: str, start: int, stop: int) -> np.ndarray:
+                return init_table_rows(cfg.model, seed, f"embedding.{name}", start, stop)
+
+            self.state = init_sharded_state(
+                params, self.optimizer, self.setup, self.mesh, seed, table_rows
+            )
+            self.lookup = jax.jit(emb.make_lookup(self.setup, self.mesh, col.DATA_AXIS))
         self.ranks = RankTimer(self.model)
         self.device_name = "cpu" if cpu else self.device.device_kind
 
@@ -163,13 +186,46 @@ class LocalTimer:
                 out.append(0.0)
                 continue
             placed = jb.to_device([b], col.rank_sharding(self.mesh), spec)
+            looked = None
+            if self.setup is not None:  # from the looked-up rows, as the run's probes time them
+                routes, rows = self.lookup(self.state.tables["weights"], placed)
+                looked = ({n: r["uniq"] for n, r in routes.items()}, rows)
             out.append(
                 self.ranks.time(
-                    self.state.params, placed, self.device, total, self.repeats, forward_only
-                )
+                    self.state.params,
+                    placed,
+                    self.device,
+                    total,
+                    self.repeats,
+                    forward_only,
+                    looked,
+                )  # fmt: skip
             )
         return out
 
-    def time_optimizer(self) -> float:
-        state = (self.state.params, self.state.opt_state)
-        return time_chained(donated_update(self.optimizer), state, self.repeats)
+    def time_optimizer(self, batches: Sequence[JaggedBatch] = ()) -> float:
+        """The AdamW update of the dense params (on zero gradients), in place; with sharded
+        tables also their touched-rows update on the rows `batches` (one step's, every rank's)
+        touch, as a replica of `data_parallel` tables runs it (a row-wise owner moves its share
+        of them)."""
+        st = self.state
+        if self.setup is None:
+            return time_chained(
+                donated_update(self.optimizer), (st.params, st.opt_state), self.repeats
+            )
+        update, routes, g_rows = self.update_program(batches)
+        state = (st.params, st.opt_state, st.tables)
+        return time_chained(lambda s: update(s, routes, g_rows), state, self.repeats)
+
+    def update_program(self, batches: Sequence[JaggedBatch]) -> tuple[Callable, dict, dict]:
+        """`(update, routes, g_rows)`: `donated_tables_update`'s program and its arguments for
+        the rows `batches` touch (zero gradients)."""
+        jnp = jax.numpy
+        update = donated_tables_update(self.optimizer, self.setup, self.mesh)
+        touched = touched_rows(batches)
+        routes = {n: {"uniq": jnp.asarray(r[None].astype(np.int32))} for n, r in touched.items()}
+        g_rows = {
+            lay.name: jnp.zeros((1, touched[lay.name].size, lay.dim), jnp.float32)
+            for lay in self.setup.layouts
+        }
+        return update, routes, g_rows

@@ -18,6 +18,7 @@ import torch
 
 from hstu.batch import JaggedBatch
 from hstu.capacity import for_source
+from hstu.embedding_opt import touched_rows
 from hstu.params import init_params
 from hstu.pipeline import loss_tokens
 from hstu.torch_backend.batch import TorchBatch, to_torch
@@ -131,7 +132,15 @@ class LocalTimer:
             from hstu.torch_backend.graphs import GraphedStack
 
             self.model.graphed = GraphedStack(self.model, self.policy, cfg.data.max_seqlen)
-        self.optimizer = make_optimizer(self.model.parameters(), cfg.train)
+        named = self.model.named_core_parameters()
+        # sharded tables leave AdamW: the touched-rows update of `time_optimizer` takes them
+        self.tables = (
+            {n[len("embedding.") :]: p for n, p in named.items() if n.startswith("embedding.")}
+            if cfg.embedding.sharded
+            else {}
+        )
+        dense = [p for n, p in named.items() if not (self.tables and n.startswith("embedding."))]
+        self.optimizer = make_optimizer(dense, cfg.train)
         self.device_name = (
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         )
@@ -147,17 +156,70 @@ class LocalTimer:
         total = int(sum(loss_tokens(b, self.cfg.model.task).sum() for b in local))
         out = []
         for b in local:
-            tb = to_torch(b).to(self.device)
+            if not b.actual_batch_size:
+                out.append(0.0)
+                continue
+            tb = to_torch(b).to(self.device).strip_padding()
+            rows = None
+            if self.tables:  # from the looked-up rows, as the run's probes time them
+                with torch.no_grad():
+                    rows = self.model.looked_up(tb)
             out.append(
-                time_forward_backward(self.model, tb, total, self.repeats, forward_only)
-                if b.actual_batch_size
-                else 0.0
+                time_forward_backward(self.model, tb, total, self.repeats, forward_only, rows)
             )
         return out
 
-    def time_optimizer(self) -> float:
-        """The AdamW update of every parameter (on zero gradients; the cost is the same)."""
-        for p in self.model.parameters():
+    def time_optimizer(self, batches: Sequence[JaggedBatch] = ()) -> float:
+        """The AdamW update of every dense parameter (on zero gradients; the cost is the
+        same); with sharded tables also their update on the rows `batches` (one step's, every
+        rank's) touch, as a replica of `data_parallel` tables runs it (a row-wise owner moves
+        its share of them): Adam by `adamw_rows_` on the touched rows, row-wise Adagrad by
+        gathering and scattering them. The parameters move: time it last."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params:
             p.grad = torch.zeros_like(p)
+        update = self._tables_update(batches) if self.tables else None
+
+        def step():
+            self.optimizer.step()
+            if update is not None:
+                update()
+
         with _untouched(self.model, self.device):
-            return median_time(self.optimizer.step, self.device, self.repeats)
+            return median_time(step, self.device, self.repeats)
+
+    def _tables_update(self, batches: Sequence[JaggedBatch]) -> Callable[[], None]:
+        from hstu_kernels.triton.adamw_rows import adamw_rows_
+
+        e = self.cfg.embedding
+        hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay)
+        rows = {n: torch.from_numpy(r).to(self.device) for n, r in touched_rows(batches).items()}
+        steps = []
+        for name, table in self.tables.items():
+            ids, dim = rows[name], table.shape[1]
+            g = torch.zeros(ids.numel(), dim, device=self.device)
+            if e.optimizer == "adam":
+                m, v = torch.zeros_like(table), torch.zeros_like(table)
+                t = torch.zeros(1, device=self.device)
+                steps.append(
+                    lambda p=table, m=m, v=v, t=t, ids=ids, g=g: adamw_rows_(
+                        p, m, v, t, ids, g, **hyper, sparse=True
+                    )
+                )
+            else:
+                acc = torch.zeros(table.shape[0], device=self.device)
+
+                def adagrad(p=table, acc=acc, ids=ids, g=g):
+                    s = acc.index_select(0, ids) + (g * g).mean(dim=1)
+                    acc.index_copy_(0, ids, s)
+                    w = p.index_select(0, ids) - g * (e.lr / (s.sqrt() + e.eps))[:, None]
+                    p.index_copy_(0, ids, w)
+
+                steps.append(adagrad)
+
+        @torch.no_grad()
+        def update():
+            for run in steps:
+                run()
+
+        return update
