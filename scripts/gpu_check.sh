@@ -363,17 +363,18 @@ print('torchrec', torchrec.__version__)" ;;
       # $E2E2_REPEATS alternating rounds, with the W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
       # where there is nothing to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
-      # (E2E2_MAIN=0: the fixed-length runs alone; E2E2_PROBE_EVERY: steps between probes)
+      # (E2E2_MAIN=0: the fixed-length runs alone; E2E2_PROBE_EVERY: steps between probes;
+      #  E2E2_ARGS: overrides for both, e.g. "embedding.sharding=data_parallel embedding.optimizer=adam")
       x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
       [ "${E2E2_MAIN:-1}" = 1 ] && run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
         --backends $E2E_BACKENDS --exchanges $x --probe-every ${E2E2_PROBE_EVERY:-15} --breakdown \
         --repeats ${E2E2_REPEATS:-1} --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 \
-        dist.world_size=2 \
+        dist.world_size=2 ${E2E2_ARGS:-} \
         && cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json" && cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
       [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
         --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \
         --out /tmp/e2e_w2_fixed dist.world_size=2 \
-        data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" \
+        data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" ${E2E2_ARGS:-} \
         && cp /tmp/e2e_w2_fixed/e2e.json "$OUT/e2e_w2_fixed.json" ;;
     multi)
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
