@@ -153,6 +153,7 @@ def _moved(before, after) -> np.ndarray:
     return np.flatnonzero(np.any(np.asarray(before) != np.asarray(after), axis=1))
 
 
+@pytest.mark.slow  # ~13 s for both: `make test-slow`
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_simulation_with_sharded_tables_times_rows_and_updates_the_touched_ones(backend):
     """`--simulate-ranks` with sharded tables: each rank timed from its looked-up rows, and
