@@ -62,7 +62,8 @@ ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override se
     for b in $batches; do
       for i in "${!ovr_sets[@]}"; do
         run "${name}${i}_b${b}_$round" python -m hstu.cli bench e2e --config bench_upstream \
-          --backends $E2E_BACKENDS --shufflers identity --steps 30 --probe-every 0 \
+          --backends $E2E_BACKENDS --shufflers identity --steps 30 \
+          --probe-every ${OVR_PROBE_EVERY:-0} \
           --out /tmp/${name}${i}_b${b}_$round data.batch_size=$b ${ovr_sets[$i]}
       done
     done
@@ -126,7 +127,8 @@ print('torchrec', torchrec.__version__)" ;;
     overrides)
       # config A/B in one call: each set of overrides in $OVR_SETS (separated by '|'; an empty
       # set is the config as shipped), alternating, $E2E_BACKENDS at W=1 on bench_upstream,
-      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds
+      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds ($OVR_PROBE_EVERY: steps
+      # between probes, 0 = none)
       ab_overrides ovr "${OVR_SETS:-}" "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
     flags)
       # XLA_FLAGS A/B in one call: each set in $FLAG_SETS (separated by '|'; an empty set is
@@ -321,10 +323,11 @@ print('torchrec', torchrec.__version__)" ;;
         --sim-batches 6 --out /tmp/simcheck_w1
       cp /tmp/simcheck_w1/e2e.json "$OUT/simcheck_w1.json" ;;
     sim)
-      # simulated W=8 and W=16 ($SIM_WORLDS) on this one GPU (per-rank forward+backward timed alone)
+      # simulated W=8 and W=16 ($SIM_WORLDS) on this one GPU (per-rank forward+backward timed
+      # alone), overrides $SIM_ARGS
       for w in ${SIM_WORLDS:-8 16}; do
         run "sim_w$w" python -m hstu.cli bench e2e --config bench_upstream --skip-runs \
-          --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w
+          --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w ${SIM_ARGS:-}
         cp /tmp/sim_w$w/e2e.json "$OUT/sim_w$w.json"
       done ;;
     optim)
