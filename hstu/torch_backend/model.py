@@ -8,6 +8,8 @@ TorchRec's table weight `embedding.embeddings.<table>.weight` <-> `embedding.<ta
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -45,15 +47,50 @@ class LayerNorm(nn.Module):
         return y if gate is None else y * gate
 
 
+@contextlib.contextmanager
+def _tf32_matmuls():
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
+
+
+class _Tf32Addmm(torch.autograd.Function):
+    """`bias + x @ kernel` for fp32 `x` with cuBLAS's TF32 math in forward and backward, the
+    precision JAX gives an fp32 dot on an Ampere or later GPU by default (torch's default is
+    full fp32, 8x slower on CUDA cores). Scoped to the op: the process's setting is restored."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, bias):
+        ctx.save_for_backward(x, kernel)
+        with _tf32_matmuls():
+            return torch.addmm(bias, x, kernel)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, kernel = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with _tf32_matmuls():
+            dx = dy @ kernel.t() if need[0] else None
+            dkernel = x.t() @ dy if need[1] else None
+        return dx, dkernel, dy.sum(0) if need[2] else None
+
+
 class Linear(nn.Module):
-    """x @ kernel + bias with the kernel stored `[in, out]` like the core."""
+    """x @ kernel + bias with the kernel stored `[in, out]` like the core. `tf32` (the ranking
+    head on CUDA): an fp32 `x` is multiplied with TF32 math, as JAX does (`_Tf32Addmm`)."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
         self.kernel = nn.Parameter(torch.zeros(dim_in, dim_out))
         self.bias = nn.Parameter(torch.zeros(dim_out))
+        self.tf32 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tf32 and x.dtype == torch.float32 and x.is_cuda:
+            return _Tf32Addmm.apply(x, self.kernel, self.bias)
         return torch.addmm(self.bias.to(x.dtype), x, self.kernel.to(x.dtype))
 
 
@@ -141,10 +178,12 @@ class HSTUModel(nn.Module):
         # looks up, so its all-to-alls carry ids only (not timestamps or labels).
         self.embedding_keys: list[str] | None = None
         self.graphed = None  # train.cuda_graphs: a graphs.GraphedStack over this model
-        fused = cfg.fused_norm and torch.device(device).type == "cuda"
+        cuda = torch.device(device).type == "cuda"
         for module in self.modules():
             if isinstance(module, LayerNorm):
-                module.fused = fused
+                module.fused = cfg.fused_norm and cuda
+        if cfg.task == "ranking":  # fp32 head matmuls with TF32 math on CUDA, as in JAX
+            self.head.hidden.tf32 = self.head.out.tf32 = cuda
         for name, child in self.named_children():
             if not (meta_tables and name == "embedding"):
                 child.to(device)

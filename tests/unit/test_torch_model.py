@@ -251,6 +251,49 @@ def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_
         np.testing.assert_allclose(grads["fused"][1][name], g, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_the_tf32_head_op_has_addmms_gradients():
+    """`_Tf32Addmm` (the ranking head's fp32 matmuls on CUDA) differentiates as `addmm`; on
+    the CPU, where the TF32 setting means nothing, bit for bit."""
+    from hstu.torch_backend.model import _Tf32Addmm
+
+    g = torch.Generator().manual_seed(0)
+    x, k, b, dy = (torch.randn(*s, generator=g) for s in ((7, 5), (5, 3), (3,), (7, 3)))
+    got, want = [], []
+    for fn, out in ((_Tf32Addmm.apply, got), (lambda x, k, b: torch.addmm(b, x, k), want)):
+        args = [t.clone().requires_grad_() for t in (x, k, b)]
+        y = fn(*args)
+        y.backward(dy)
+        out += [y.detach(), *(a.grad for a in args)]
+    for a, e in zip(got, want, strict=True):
+        assert torch.equal(a, e)
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # the process's setting, restored
+
+
+@pytest.mark.gpu
+def test_the_ranking_head_multiplies_fp32_with_tf32_on_cuda():
+    """The head's fp32 matmuls run with TF32 math on CUDA (JAX's default precision there):
+    their error against float64 is TF32's (~1e-3 relative), not fp32's (~1e-6), forward and
+    backward, and the process's TF32 setting is what it was."""
+    cfg = _cfg("ranking")
+    model = HSTUModel(cfg.model, "cuda")
+    head = model.head.hidden
+    assert head.tf32 and model.head.out.tf32
+    g = torch.Generator().manual_seed(0)
+    d = cfg.model.embedding_dim
+    with torch.no_grad():
+        head.kernel.copy_(torch.randn(d, d, generator=g))
+    x = torch.randn(512, d, generator=g).cuda().requires_grad_()
+    dy = torch.randn(512, d, generator=g).cuda()
+    before = torch.backends.cuda.matmul.allow_tf32
+    y = head(x)
+    y.backward(dy)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    x64, k64 = x.detach().double(), head.kernel.detach().double()
+    for got, want in ((y, x64 @ k64 + head.bias.double()), (x.grad, dy.double() @ k64.t())):
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        assert 1e-5 < err < 5e-3, err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["reference", "kernel"])
 def test_cuda_forward_matches_cpu(attention):
