@@ -38,6 +38,7 @@ from torch import nn
 
 from hstu.capacity import CapacityPolicy
 from hstu.errors import HSTUError
+from hstu.torch_backend.model import run_stack
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,7 @@ class _Stack(nn.Module):
             "num_candidates": num_candidates,
             "timestamps": timestamps,
         }
-        for layer in self.layers:
-            x = layer(x, seq)
-        return self.final_norm(x).float()
+        return run_stack(self.layers, self.final_norm, x, seq)
 
 
 class GraphedStack:

@@ -46,6 +46,20 @@ class LayerNorm(nn.Module):
         y = F.layer_norm(x, x.shape[-1:], self.scale.to(x.dtype), self.bias.to(x.dtype), eps=LN_EPS)
         return y if gate is None else y * gate
 
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h, norm(h))` with `h = x + residual` (`x` when None): the residual stream's add and
+        this norm, one kernel each way when fused (`add_layer_norm`)."""
+        if residual is None:
+            return x, self(x)
+        if self.fused:
+            from hstu_kernels.triton.layer_norm import add_layer_norm
+
+            return add_layer_norm(x, residual, self.scale, self.bias, LN_EPS)
+        h = x + residual
+        return h, self(h)
+
 
 @contextlib.contextmanager
 def _tf32_matmuls():
@@ -112,9 +126,15 @@ class HSTULayer(nn.Module):
         self.alpha = cfg.resolved_alpha
         self.normalizer, self.dropout = cfg.normalizer, cfg.dropout
 
-    def forward(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, seq: dict, pending: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + pending, this layer's residual branch)`: the stream's add is left to the next
+        layer's input norm (`LayerNorm.add`, fused with it) or the final norm (`run_stack`);
+        `pending`: the previous layer's branch (None for the first layer)."""
+        x, normed = self.input_norm.add(x, pending)
         h, dqk, dv = self.num_heads, self.dqk, self.dv
-        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        uvqk = F.silu(self.uvqk(normed))
         kw = dict(
             max_seqlen=seq["max_seqlen"],
             alpha=self.alpha,
@@ -127,7 +147,12 @@ class HSTULayer(nn.Module):
         )
         if self.uvqk_attention is not None:
             dims = dict(num_heads=h, linear_dim=dv, attention_dim=dqk)
-            u, a = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw)
+            if self.attn_norm.fused:  # the gated norm inside the op: u's gradient in place
+                norm = (self.attn_norm.scale, self.attn_norm.bias, LN_EPS)
+                y = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw, norm=norm)
+            else:
+                u, a = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw)
+                y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         else:
             u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
             unflat = (h, -1)
@@ -138,9 +163,18 @@ class HSTULayer(nn.Module):
                 seq["offsets"],
                 **kw,
             )
-        y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
+            y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
-        return x + self.output(y)
+        return x, self.output(y)
+
+
+def run_stack(layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict) -> torch.Tensor:
+    """The HSTU layers and the final norm: `z [T, D]` in fp32. Each layer's residual add
+    happens in the next norm (`HSTULayer.forward`)."""
+    pending = None
+    for layer in layers:
+        x, pending = layer(x, seq, pending)
+    return final_norm.add(x, pending)[1].float()
 
 
 class HSTUModel(nn.Module):
@@ -290,9 +324,7 @@ class HSTUModel(nn.Module):
 
     def stack(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
         """The HSTU layers and the final norm: `z [T, D]` in fp32."""
-        for layer in self.layers:
-            x = layer(x, seq)
-        return self.final_norm(x).float()
+        return run_stack(self.layers, self.final_norm, x, seq)
 
     def encode(self, tb: TorchBatch, emb: dict | None = None) -> tuple[torch.Tensor, dict]:
         """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout.

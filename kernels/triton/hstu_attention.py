@@ -51,6 +51,7 @@ import math
 import torch
 
 from ..tiles import resolve_tiles
+from . import layer_norm as _ln
 from ._launch import (
     INTERPRET_BLOCK_SIZES,  # noqa: F401 (re-export)
     BlockSizes,
@@ -236,6 +237,51 @@ class _UvqkAttention(torch.autograd.Function):
             )  # fmt: skip
         return (grad, None, None, None, None, None, None, None, None, None, None,
                 drp if need_rp else None, drt if need_rt else None, None, None)  # fmt: skip
+
+
+class _UvqkAttentionNorm(torch.autograd.Function):
+    """``hstu_uvqk_attention(norm=...)``: the attention of the q / k / v columns, then the
+    layer's gated norm ``LN(out) * u`` (``layer_norm.py``'s kernels), in one op. The backward
+    writes the gate's gradient straight into the u columns of the ``[T, W]`` gradient it builds
+    (with the norm a separate op, that gradient arrives as its own tensor and is copied there:
+    a strided ``[T, H dv]`` copy per layer), then dq, dk, dv beside it."""
+
+    @staticmethod
+    def forward(ctx, uvqk, weight, bias, eps, heads, linear_dim, attention_dim, *inputs):
+        *args, blocks, backward = inputs
+        u, v, q, k = _uvqk_views(uvqk, heads, linear_dim, attention_dim)
+        out = _fwd_impl(q, k, v, *args, _unpack_blocks(blocks)[0])
+        out2 = out.view(out.shape[0], heads * linear_dim)
+        y, _, mean, rstd = _ln.forward(out2, weight, bias, eps, g2=u)
+        seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt = args
+        ctx.save_for_backward(q, k, v, seq_offsets, nc, nk, ts, rp, rt, u, out2, weight, bias,
+                              mean, rstd)  # fmt: skip
+        ctx.args = (max_seqlen, alpha, normalizer, list(blocks), backward)
+        ctx.layout = (uvqk.shape, uvqk.dtype, uvqk.device, heads, linear_dim, attention_dim)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, seq_offsets, nc, nk, ts, rp, rt, u, out2, weight, bias, mean, rstd = (
+            ctx.saved_tensors
+        )
+        max_seqlen, alpha, normalizer, blocks, backward = ctx.args
+        shape, dtype, device, heads, linear_dim, attention_dim = ctx.layout
+        # (uvqk, weight, bias, eps, heads, dv, dqk, offsets, ..., rp [14], rt [15], ...)
+        need = ctx.needs_input_grad
+        need_rp, need_rt = rp is not None and need[14], rt is not None and need[15]
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        gu, gv, gq, gk = _uvqk_views(grad, heads, linear_dim, attention_dim)
+        dy2 = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dout, _, dweight, dbias = _ln.backward(out2, weight, bias, mean, rstd, dy2, g2=u, dg=gu)
+        *_, drp, drt = _bwd_impl(  # dq, dk, dv: written into gq, gk, gv
+            dout.view(q.shape[0], heads, linear_dim), q, k, v, seq_offsets, max_seqlen, alpha,
+            normalizer, nc, nk, ts, rp, rt, need_rp, need_rt, _unpack_blocks(blocks)[1],
+            backward, out=(gq, gk, gv),
+        )  # fmt: skip
+        nothing = (None,) * 11  # eps, heads, dv, dqk, offsets, ..., timestamps
+        tables = (drp if need_rp else None, drt if need_rt else None)
+        return (grad, dweight, dbias, *nothing, *tables, None, None)
 
 
 # set to False to route eager calls through the torch.library op as well
@@ -426,12 +472,18 @@ def hstu_uvqk_attention(
     rab_time: torch.Tensor | None = None,
     block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
     backward: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The HSTU layer's split and attention in one op: ``uvqk [T, H (2 dv + 2 dqk)]`` holds
     the columns u, v, q, k (in that order); returns ``(u [T, H dv], hstu_attention(q, k, v))``,
     u a view of ``uvqk``. Same values and gradients as splitting and calling
     ``hstu_attention`` (every argument means what it means there); the gradient with respect
-    to ``uvqk`` is built in one buffer (no concatenation, no copies of q, k, v)."""
+    to ``uvqk`` is built in one buffer (no concatenation, no copies of q, k, v).
+
+    ``norm = (weight [H dv], bias [H dv], eps)``: returns the layer's gated norm of the output
+    instead, ``layer_norm(out.reshape(T, H dv), weight, bias, eps, gate=u)``
+    (``layer_norm.py``), differentiable in ``weight`` and ``bias`` too; its backward writes u's
+    gradient in place (``_UvqkAttentionNorm``)."""
     if not isinstance(uvqk, torch.Tensor) or uvqk.dim() != 2:
         raise ValueError(f"uvqk must be a 2-D torch.Tensor, got {getattr(uvqk, 'shape', uvqk)!r}")
     dims = {"num_heads": num_heads, "linear_dim": linear_dim, "attention_dim": attention_dim}
@@ -461,7 +513,35 @@ def hstu_uvqk_attention(
         block_sizes,
         backward,
     )
+    if norm is not None:
+        weight, bias, eps = _check_norm(norm, num_heads * linear_dim, uvqk.device)
     if not EAGER_FAST_PATH or torch.compiler.is_compiling():
-        return u, hstu_attention_fwd(*args)
+        out = hstu_attention_fwd(*args)
+        if norm is None:
+            return u, out
+        return _ln.layer_norm(out.reshape(u.shape), weight, bias, eps, gate=u)
+    if norm is not None:
+        return _UvqkAttentionNorm.apply(
+            uvqk, weight, bias, eps, num_heads, linear_dim, attention_dim, *args[3:]
+        )
     # u from the op (not the view above): its gradient goes into the op's one buffer
     return _UvqkAttention.apply(uvqk, num_heads, linear_dim, attention_dim, *args[3:])
+
+
+def _check_norm(norm, width: int, device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    if not (isinstance(norm, tuple) and len(norm) == 3):
+        raise ValueError(f"norm must be (weight, bias, eps), got {type(norm).__name__}")
+    weight, bias, eps = norm
+    for name, t in (("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (width,):
+            raise ValueError(
+                f"norm {name} must be a [{width}] tensor (num_heads * linear_dim), got "
+                f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}"
+            )
+        if not t.is_floating_point() or t.device != device:
+            raise ValueError(
+                f"norm {name} must be floating point on {device}, got {t.dtype} on {t.device}"
+            )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"norm eps must be a positive number, got {eps!r}")
+    return weight, bias, float(eps)

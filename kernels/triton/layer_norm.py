@@ -1,7 +1,10 @@
-"""LayerNorm over the last dim, optionally times a gate, as one Triton kernel each way.
+"""LayerNorm over the last dim, optionally times a gate or after a residual add, as one Triton
+kernel each way.
 
     y = (x - mean) * rstd * weight + bias            (gate=None)
     y = ((x - mean) * rstd * weight + bias) * gate   (HSTU's `attn_norm(a) * u`)
+    h = x + r; y = LN(h)                             (`add_layer_norm`: a residual stream's add
+                                                      with the next layer's input norm)
 
 Statistics and arithmetic in fp32 whatever `x`'s dtype; `weight` and `bias` are read in their
 own dtype (the model's fp32 parameters: no cast kernels, and their gradients come back in it).
@@ -9,6 +12,11 @@ Eager torch runs this as a norm kernel, two dtype casts of the parameters, a mul
 backward a second multiply, the input-gradient kernel, a weight/bias-gradient reduction and the
 casts back: the fused backward reads `x`, `dy` (and `gate`) once, writes `dx` (and `dgate`),
 and reduces the weight/bias gradients in per-program fp32 partials summed at the end.
+
+With a residual the forward also writes `h` (rounded to `x`'s dtype, and normalised as rounded,
+as eager torch's add then norm), and the backward adds `h`'s own upstream gradient to the
+norm's: one kernel each way where eager torch runs the add, the norm, and in backward the
+accumulation of the two gradients of `h`.
 
 Rows are independent: padding rows of a token capacity (all zero, zero upstream gradient) give
 a zero `dx` and add nothing to `dweight` / `dbias`, as with `F.layer_norm`.
@@ -23,15 +31,19 @@ import triton.language as tl
 
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, W, B, G, Y, MEAN, RSTD,
-    stride_x, stride_g, stride_y, T, D, eps,
-    HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    X, R, H, W, B, G, Y, MEAN, RSTD,
+    stride_x, stride_r, stride_h, stride_g, stride_y, T, D, eps,
+    HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < T
     mask = rmask[:, None] & (cols < D)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:  # h = x + r, stored and normalised as rounded to the stream's dtype
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
     mean = tl.sum(x, axis=1) / D
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -49,12 +61,14 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    X, W, B, G, DY, DX, DG, MEAN, RSTD, DW_PART, DB_PART,
-    stride_x, stride_g, stride_dy, stride_dx, stride_dg, T, D,
-    HAS_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART,
+    stride_x, stride_g, stride_dy, stride_dh, stride_dx, stride_dg, T, D,
+    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
-    gradient sums as row `pid` of the partials."""
+    gradient sums as row `pid` of the partials. `HAS_DH`: `X` is a residual sum `h` whose
+    own upstream gradient `DH` joins the norm's (dx = dh + the norm's dx)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -87,6 +101,9 @@ def _layer_norm_bwd_kernel(
         c1 = tl.sum(xhat * wdn, axis=1) / D
         c2 = tl.sum(wdn, axis=1) / D
         dx = (wdn - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DH:
+            dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
+            dx += dh.to(tl.float32)
         tl.store(
             DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
         )
@@ -137,51 +154,107 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def forward(x2, weight, bias, eps, g2=None, r2=None, y=None):
+    """The norm of `x2 [T, D]` (plus `r2` when given), times `g2` when given, into `y` (new
+    when None). Returns `(y, h, mean, rstd)`: `h` the residual sum `x2 + r2` (None without
+    `r2`), the row statistics as the backward needs them. Shared by the autograd functions
+    here and the attention op that applies its gated norm in place
+    (`hstu_attention.hstu_uvqk_attention(norm=...)`)."""
+    t, d = x2.shape
+    if y is None:
+        y = torch.empty((t, d), dtype=x2.dtype, device=x2.device)
+    h = torch.empty_like(x2) if r2 is not None else None
+    mean = torch.empty(t, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    g, r, hh = (
+        (g2 if g2 is not None else x2),
+        (r2 if r2 is not None else x2),
+        (h if h is not None else x2),
+    )
+    block_r, block_d, warps = _tiles(d)
+    _layer_norm_fwd_kernel[(triton.cdiv(t, block_r),)](
+        x2, r, hh, weight, bias, g, y, mean, rstd,
+        x2.stride(0), r.stride(0), hh.stride(0), g.stride(0), y.stride(0), t, d, eps,
+        HAS_GATE=g2 is not None, HAS_RES=r2 is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps,
+    )  # fmt: skip
+    return y, h, mean, rstd
+
+
+def backward(x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=None):
+    """The gradients of `forward`: `(dx, dgate, dweight, dbias)`. `x2` is what was normalised
+    (the residual sum `h` when there was one: then `dh2`, `h`'s own upstream gradient, is added
+    into dx, which is the gradient of both summands). `dx` / `dg`: where to write them (views
+    with unit column stride may be strided rows, e.g. the u columns of a wider gradient); new
+    when None. dgate is None without `g2`."""
+    t, d = x2.shape
+    if dx is None:
+        dx = torch.empty_like(x2)
+    if g2 is not None and dg is None:
+        dg = torch.empty((t, d), dtype=g2.dtype, device=x2.device)
+    g, dgo, dh = (
+        (g2 if g2 is not None else x2),
+        (dg if g2 is not None else dx),
+        (dh2 if dh2 is not None else dy2),
+    )
+    programs = triton.cdiv(t, ROWS_PER_PROGRAM)
+    dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
+    db = torch.empty_like(dw)
+    block_r, block_d, warps = _tiles(d)
+    _layer_norm_bwd_kernel[(programs,)](
+        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db,
+        x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0), t, d,
+        HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, ROWS=ROWS_PER_PROGRAM,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
+    _layer_norm_sum_partials_kernel[(triton.cdiv(d, _SUM_COLS),)](
+        dw, db, dweight, dbias, programs, d, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS
+    )
+    return dx, (dg if g2 is not None else None), dweight, dbias
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gate, eps):
         d = x.shape[-1]
         x2 = _rows(x, d)
-        g2 = _rows(gate, d) if gate is not None else x2
-        t = x2.shape[0]
-        y = torch.empty((t, d), dtype=x.dtype, device=x.device)
-        mean = torch.empty(t, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block_r, block_d, warps = _tiles(d)
-        _layer_norm_fwd_kernel[(triton.cdiv(t, block_r),)](
-            x2, weight, bias, g2, y, mean, rstd,
-            x2.stride(0), g2.stride(0), y.stride(0), t, d, eps,
-            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x2, weight, bias, gate if gate is None else g2, mean, rstd)
-        ctx.shape, ctx.gate_dtype = x.shape, None if gate is None else gate.dtype
+        g2 = _rows(gate, d) if gate is not None else None
+        y, _, mean, rstd = forward(x2, weight, bias, eps, g2=g2)
+        ctx.save_for_backward(x2, weight, bias, g2, mean, rstd)
+        ctx.shape = x.shape
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
-        t, d = x2.shape
-        dy2 = _rows(dy, d)
-        dx = torch.empty_like(x2)
-        has_gate = g2 is not None
-        dg = torch.empty((t, d), dtype=ctx.gate_dtype, device=x2.device) if has_gate else dx
-        g = g2 if has_gate else x2
-        programs = triton.cdiv(t, ROWS_PER_PROGRAM)
-        dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
-        db = torch.empty_like(dw)
-        block_r, block_d, warps = _tiles(d)
-        _layer_norm_bwd_kernel[(programs,)](
-            x2, weight, bias, g, dy2, dx, dg, mean, rstd, dw, db,
-            x2.stride(0), g.stride(0), dy2.stride(0), dx.stride(0), dg.stride(0), t, d,
-            HAS_GATE=has_gate, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=warps,
-        )  # fmt: skip
-        dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
-        _layer_norm_sum_partials_kernel[(triton.cdiv(d, _SUM_COLS),)](
-            dw, db, dweight, dbias, programs, d, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS
+        dx, dg, dweight, dbias = backward(
+            x2, weight, bias, mean, rstd, _rows(dy, x2.shape[1]), g2=g2
         )
-        dgate = dg.reshape(ctx.shape) if has_gate else None
+        dgate = dg.reshape(ctx.shape) if dg is not None else None
         return dx.reshape(ctx.shape), dweight, dbias, dgate, None
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        d = x.shape[-1]
+        y, h, mean, rstd = forward(_rows(x, d), weight, bias, eps, r2=_rows(residual, d))
+        ctx.save_for_backward(h, weight, bias, mean, rstd)
+        ctx.shape = x.shape
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        return h.reshape(x.shape), y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        d = h.shape[1]
+        if dy is None:  # only h was used downstream: its gradient passes to both summands
+            return dh, dh, None, None, None
+        dh2 = _rows(dh, d) if dh is not None else None
+        dx, _, dweight, dbias = backward(h, weight, bias, mean, rstd, _rows(dy, d), dh2=dh2)
+        dx = dx.reshape(ctx.shape)
+        return dx, dx, dweight, dbias, None
 
 
 def layer_norm(
@@ -198,9 +271,28 @@ def layer_norm(
     return _LayerNorm.apply(x, weight, bias, gate, eps)
 
 
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(h, layer_norm(h))` with `h = x + residual` (rounded to `x`'s dtype): a residual
+    stream's add and the next norm in one kernel each way; differentiable in all four."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must have the shape and dtype of "
+            f"x {tuple(x.shape)} {x.dtype}"
+        )
+    return _AddLayerNorm.apply(x, residual, weight, bias, eps)
+
+
 def layer_norm_reference(x, weight, bias, eps, gate=None):
     """The same in plain torch (what the kernel is tested against)."""
     y = torch.nn.functional.layer_norm(
         x, x.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps=eps
     )
     return y if gate is None else y * gate
+
+
+def add_layer_norm_reference(x, residual, weight, bias, eps):
+    """`add_layer_norm` in plain torch."""
+    h = x + residual
+    return h, layer_norm_reference(h, weight, bias, eps)

@@ -403,6 +403,57 @@ def test_uvqk_attention_equals_split_then_attention(mode, case, dtype, backward,
     assert torch.equal(g[:, : H * dv], grad_u) and torch.all(g[:, H * dv :] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_uvqk_attention_with_the_gated_norm_equals_the_op_then_the_norm(mode, dtype):
+    """`hstu_uvqk_attention(norm=...)`: the attention and the layer's gated norm in one op,
+    whose backward writes u's gradient into the activation's gradient in place, give the
+    values and gradients of the op followed by `layer_norm(out, gate=u)` (the same kernels)."""
+    from hstu_kernels.triton import hstu_uvqk_attention
+    from hstu_kernels.triton.layer_norm import layer_norm
+
+    seed = zlib.crc32(f"uvqk-norm/{mode}/{dtype}".encode())
+    (q, k, v), offsets, kw, tables, grad_out, total = _make_inputs(
+        mode, "ctx_cand_rab", dtype, seed
+    )
+    T, H, dqk = q.shape
+    dv = v.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    uvqk0 = torch.cat([torch.randn(T, H * dv, generator=gen).to(q.device), v.flatten(1),
+                       q.flatten(1), k.flatten(1)], dim=1).to(dtype)  # fmt: skip
+    w0 = (torch.randn(H * dv, generator=gen) * 0.3 + 1).to(q.device)
+    b0 = (torch.randn(H * dv, generator=gen) * 0.1).to(q.device)
+    dy = torch.randn(T, H * dv, generator=gen).to(q.device, dtype)
+    dy[total:] = 0.0  # capacity padding: no upstream gradient
+    dims = dict(num_heads=H, linear_dim=dv, attention_dim=dqk)
+    common = dict(**dims, **kw, **tables, block_sizes=SHAPES[mode]["blocks"]["default"],
+                  backward="split")  # fmt: skip
+
+    def run(in_op):
+        uvqk, w, b = (t.clone().requires_grad_() for t in (uvqk0, w0, b0))
+        if in_op:
+            y = hstu_uvqk_attention(uvqk, offsets, **common, norm=(w, b, 1e-6))
+        else:
+            u, out = hstu_uvqk_attention(uvqk, offsets, **common)
+            y = layer_norm(out.reshape(T, H * dv), w, b, 1e-6, gate=u)
+        return (y, *torch.autograd.grad(y, (uvqk, w, b), dy))
+
+    got, want = run(True), run(False)
+    for name, g, e in zip(["y", "duvqk", "dweight", "dbias"], got, want, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape, name
+        if mode == "interpret":  # the same kernels on the same inputs
+            assert torch.equal(g, e), name
+        else:  # on a GPU the dq / table atomics sum in a varying order
+            _assert_close(g, e, max(TOL[dtype], 1e-4), name)
+    assert got[2].dtype == torch.float32 and torch.any(got[1][:, : H * dv] != 0)
+    with pytest.raises(ValueError, match=rf"norm weight must be a \[{H * dv}\] tensor"):
+        hstu_uvqk_attention(uvqk0, offsets, **common, norm=(w0[:-1], b0, 1e-6))
+    with pytest.raises(ValueError, match="norm eps must be a positive number"):
+        hstu_uvqk_attention(uvqk0, offsets, **common, norm=(w0, b0, 0.0))
+    with pytest.raises(ValueError, match=r"norm must be \(weight, bias, eps\)"):
+        hstu_uvqk_attention(uvqk0, offsets, **common, norm=(w0, b0))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_uvqk_attention_validation(mode):
     from hstu_kernels.triton import hstu_uvqk_attention

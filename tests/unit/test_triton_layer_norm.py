@@ -1,8 +1,9 @@
 """The fused Triton LayerNorm (`model.fused_norm`) against plain torch in float64: outputs and
 every gradient (input, weight, bias, gate), with and without the gate, a gate that is a strided
 view (HSTU's `u`, a slice of the uvqk projection), widths that are and are not powers of two,
-and zero padding rows. CPU: the Triton interpreter on small shapes; GPU (`gpu`): the compiled
-kernel on the recipe's shapes, and the HSTU model with and without it."""
+and zero padding rows; the residual add with the norm (`add_layer_norm`) the same way. CPU:
+the Triton interpreter on small shapes; GPU (`gpu`): the compiled kernel on the recipe's
+shapes, and the HSTU model with and without it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ if not _CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
 pytest.importorskip("triton")
 
-from hstu_kernels.triton.layer_norm import layer_norm, layer_norm_reference  # noqa: E402
+from hstu_kernels.triton.layer_norm import (  # noqa: E402
+    add_layer_norm,
+    add_layer_norm_reference,
+    layer_norm,
+    layer_norm_reference,
+)
 
 EPS = 1e-6
 
@@ -81,6 +87,62 @@ def test_zero_padding_rows_leave_every_gradient_bit_for_bit(gated):
         grads.append([xs.grad[:t], ws.grad, bs.grad] + ([us.grad[:t]] if gated else []))
     for a, e in zip(*grads):
         assert torch.equal(a, e)
+
+
+def _check_add(t: int, d: int, dtype, device: str, pad_rows: int = 0, used: str = "both"):
+    """`add_layer_norm` against the reference; `used`: which outputs the loss reads (`both`,
+    or `h` alone: the norm's backward then does not run)."""
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(t, d, generator=g) * 2 + 0.5, torch.randn(t, d, generator=g)
+    x[t - pad_rows :] = 0.0
+    r[t - pad_rows :] = 0.0
+    w, b = torch.randn(d, generator=g) * 0.3 + 1, torch.randn(d, generator=g) * 0.1
+    dh, dy = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
+    dh[t - pad_rows :] = 0.0
+    dy[t - pad_rows :] = 0.0
+
+    def run(args, fn):
+        x, r, w, b, dh, dy = args
+        x, r, w, b = (a.clone().requires_grad_() for a in (x, r, w, b))
+        h, y = fn(x, r, w, b, EPS)
+        outs, grads = ((h, y), (dh, dy)) if used == "both" else ((h,), (dh,))
+        torch.autograd.backward(outs, grads)
+        return [h, y, x.grad, r.grad, w.grad, b.grad]
+
+    got = run([x.to(device, dtype), r.to(device, dtype), w.to(device), b.to(device),
+               dh.to(device, dtype), dy.to(device, dtype)], add_layer_norm)  # fmt: skip
+    want = run([a.double() for a in (x, r, w, b, dh, dy)], add_layer_norm_reference)
+    assert got[0].dtype == got[1].dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    names = ["h", "y", "dx", "dresidual"] + (["dweight", "dbias"] if used == "both" else [])
+    for name, a, e in zip(names, got, want):
+        a, e = a.detach().double().cpu(), e.detach()
+        scale = e.abs().max().clamp_min(1e-12)
+        assert float((a - e).abs().max() / scale) < tol, name
+    assert torch.equal(got[2], got[3])  # one gradient for both summands
+    if used == "h":
+        assert got[4] is None and got[5] is None
+    if pad_rows:
+        assert bool((got[2][t - pad_rows :] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,d,pad", [(37, 48, 0), (130, 256, 9)])
+def test_residual_add_and_norm_match_torch(t, d, pad, dtype):
+    _check_add(t, d, dtype, "cuda" if _CUDA else "cpu", pad_rows=pad)
+
+
+def test_residual_add_and_norm_when_only_the_sum_is_used():
+    _check_add(21, 32, torch.float32, "cuda" if _CUDA else "cpu", used="h")
+
+
+def test_a_residual_of_another_shape_or_dtype_is_an_error():
+    x = torch.zeros(4, 8)
+    w, b = torch.ones(8), torch.zeros(8)
+    with pytest.raises(ValueError, match=r"residual \(4, 4\) torch.float32 must have"):
+        add_layer_norm(x, torch.zeros(4, 4), w, b, EPS)
+    with pytest.raises(ValueError, match=r"residual \(4, 8\) torch.bfloat16 must have"):
+        add_layer_norm(x, torch.zeros(4, 8, dtype=torch.bfloat16), w, b, EPS)
 
 
 def test_a_gate_of_another_shape_is_an_error():
