@@ -49,7 +49,8 @@ for s in $sections; do  # before anything runs: a missing tree fails the call in
   case $s in
     ab|kab) need_tree "${AB_BEFORE:-}" kernels ;;
     bias) for d in ${AB_BEFORE:-}; do need_tree "$d" kernels; done ;;
-    tab) need_tree "${AB_TREE:-}" hstu ;;
+    tab) for d in ${AB_TREES:-${AB_TREE:-}}; do need_tree "$d" hstu; done
+         [ -n "${AB_TREES:-${AB_TREE:-}}" ] || need_tree "" hstu ;;
     host) [ -z "${AB_TREE:-}" ] || need_tree "$AB_TREE" hstu ;;
   esac
 done
@@ -109,18 +110,27 @@ print('torchrec', torchrec.__version__)" ;;
     tab)
       # whole-tree A/B in one call: $AB_TREE (git archive <commit> hstu kernels configs scripts |
       # tar -x -C DIR) against this tree, alternating, $E2E_BACKENDS at W=1 on bench_upstream,
-      # $AB_SHUFFLERS (default identity), each batch size of $AB_BATCHES, $AB_ROUNDS rounds
+      # $AB_SHUFFLERS (default identity), each batch size of $AB_BATCHES, $AB_ROUNDS rounds;
+      # $AB_TREES (several such trees, space-separated) in place of $AB_TREE: each in turn, then
+      # this tree (logs tab_t<i>_b<B>_<round>, this tree as tab_after_...); $AB_ARGS: overrides
+      # for every tree
+      read -r -a trees <<< "${AB_TREES:-${AB_TREE:-}}"
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
-          for side in before after; do
-            tree=$PWD; [ $side = before ] && tree=$(cd "$AB_TREE" && pwd)
+          for i in $(seq 0 ${#trees[@]}); do
+            if [ "$i" -lt "${#trees[@]}" ]; then
+              tree=$(cd "${trees[$i]}" && pwd); side=t$i
+              [ -z "${AB_TREES:-}" ] && side=before
+            else
+              tree=$PWD; side=after
+            fi
             mkdir -p /tmp/hstu-path-$side && ln -sfn "$tree/kernels" /tmp/hstu-path-$side/hstu_kernels \
               && ln -sfn "$tree/configs" /tmp/hstu-path-$side/hstu_recipes
             run "tab_${side}_b${b}_$round" env -C "$tree" \
               PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
               --config bench_upstream --backends $E2E_BACKENDS \
               --shufflers ${AB_SHUFFLERS:-identity} --steps 30 \
-              --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b
+              --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
         done
       done ;;
