@@ -75,6 +75,11 @@ class ModelConfig:
         "torch on CUDA: each LayerNorm (and the attention gating `attn_norm(a) * u`) as one "
         "Triton kernel forward and one backward; jax: no effect (XLA fuses them itself)",
     )
+    fused_silu: bool = _opt(
+        True,
+        "torch on CUDA: the uvqk projection's SiLU backward and its bias gradient in one "
+        "Triton kernel (kernels/triton/linear_silu.py); jax: no effect (XLA fuses them itself)",
+    )
     pallas_lowering: str = _opt(
         "triton",
         "jax kernel: the Pallas lowering of the attention forward and dq kernels, triton | "

@@ -125,6 +125,7 @@ class HSTULayer(nn.Module):
         self.attention, self.uvqk_attention = attention, uvqk_attention
         self.alpha = cfg.resolved_alpha
         self.normalizer, self.dropout = cfg.normalizer, cfg.dropout
+        self.fused_silu = False  # `model.fused_silu` on CUDA (HSTUModel sets it)
 
     def forward(
         self, x: torch.Tensor, seq: dict, pending: torch.Tensor | None = None
@@ -134,7 +135,12 @@ class HSTULayer(nn.Module):
         `pending`: the previous layer's branch (None for the first layer)."""
         x, normed = self.input_norm.add(x, pending)
         h, dqk, dv = self.num_heads, self.dqk, self.dv
-        uvqk = F.silu(self.uvqk(normed))
+        if self.fused_silu:  # SiLU's backward and the bias gradient in one kernel
+            from hstu_kernels.triton.linear_silu import linear_silu
+
+            uvqk = linear_silu(normed, self.uvqk.kernel, self.uvqk.bias)
+        else:
+            uvqk = F.silu(self.uvqk(normed))
         kw = dict(
             max_seqlen=seq["max_seqlen"],
             alpha=self.alpha,
@@ -216,6 +222,8 @@ class HSTUModel(nn.Module):
         for module in self.modules():
             if isinstance(module, LayerNorm):
                 module.fused = cfg.fused_norm and cuda
+        for layer in self.layers:
+            layer.fused_silu = cfg.fused_silu and cuda
         if cfg.task == "ranking":  # fp32 head matmuls with TF32 math on CUDA, as in JAX
             self.head.hidden.tf32 = self.head.out.tf32 = cuda
         for name, child in self.named_children():

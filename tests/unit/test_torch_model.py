@@ -251,20 +251,24 @@ def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_
         np.testing.assert_allclose(grads["fused"][1][name], g, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_the_fused_norms_give_torchs_loss_and_gradients():
-    """`model.fused_norm`'s kernels (interpreted here, as on CUDA): each layer's residual add
-    in the next norm (`add_layer_norm`, the last in the final norm) and the gated norm inside
-    the attention op (u's gradient written in place) give eager torch's loss and gradients."""
+def test_the_fused_kernels_give_torchs_loss_and_gradients():
+    """`model.fused_norm` and `model.fused_silu`'s kernels (interpreted here, as on CUDA):
+    each layer's residual add in the next norm (`add_layer_norm`, the last in the final norm),
+    the gated norm inside the attention op (u's gradient written in place) and the uvqk
+    projection's SiLU backward with its bias gradient give eager torch's loss and gradients."""
     from hstu.torch_backend.model import LayerNorm
 
     cfg = _cfg("ranking", "model.num_layers=2", "model.attention=kernel")
     results = []
     for fused in (False, True):
         model = HSTUModel(cfg.model)
+        assert not any(layer.fused_silu for layer in model.layers)  # CPU: eager by default
         model.load_params(init_params(cfg.model, seed=0))
         for m in model.modules():
             if isinstance(m, LayerNorm):
                 m.fused = fused
+        for layer in model.layers:
+            layer.fused_silu = fused
         loss, _ = model(to_torch(make_global_batch(cfg, 4, (4,))[0]), 10)
         loss.backward()
         results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -273,6 +277,7 @@ def test_the_fused_norms_give_torchs_loss_and_gradients():
     for name, g in want.items():
         np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
     assert any(float(g.abs().max()) > 0 for n, g in got.items() if "attn_norm" in n)
+    assert all(float(g.abs().max()) > 0 for n, g in got.items() if "uvqk.bias" in n)
 
 
 def test_the_tf32_head_op_has_addmms_gradients():

@@ -159,7 +159,8 @@ def test_fused_layer_norm_on_the_recipe_shapes(gated):
 
 
 @pytest.mark.gpu
-def test_the_model_with_and_without_the_fused_norm():
+@pytest.mark.parametrize("attention", ["reference", "kernel"])
+def test_the_model_with_and_without_the_fused_norm(attention):
     pytest.importorskip("torchrec")
     from test_torch_model import _cfg
 
@@ -170,10 +171,17 @@ def test_the_model_with_and_without_the_fused_norm():
 
     results = []
     for fused in (False, True):
-        cfg = _cfg("ranking", f"model.fused_norm={str(fused).lower()}")
+        flag = str(fused).lower()
+        cfg = _cfg(
+            "ranking",
+            f"model.fused_norm={flag}",
+            f"model.fused_silu={flag}",
+            f"model.attention={attention}",
+        )
         model = HSTUModel(cfg.model, device="cuda")
         model.load_params(init_params(cfg.model, seed=0))
         assert all(m.fused == fused for m in model.modules() if hasattr(m, "fused"))
+        assert all(layer.fused_silu == fused for layer in model.layers)
         tb = to_torch(make_global_batch(cfg, 8, (8,))[0]).strip_padding().to("cuda")
         loss, _ = model(tb, 10)
         loss.backward()
