@@ -7,7 +7,7 @@
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
 #                                               overrides flags
-#                                               host
+#                                               host model
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default)
 #                                               (default: env kernels bench train parity)
@@ -83,6 +83,11 @@ print('torchrec', torchrec.__version__)" ;;
       run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py \
         tests/unit/test_triton_layer_norm.py
       run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py ;;
+    model)
+      # the torch model's GPU tests: fused norms and elementwise kernels, the TF32 head, the
+      # stack and step graphs (captured), against eager torch
+      run torch_model_gpu_tests python -m pytest -q -m gpu tests/unit/test_torch_model.py \
+        tests/unit/test_torch_graphs.py tests/unit/test_torch_step_graphs.py ;;
     bench)
       run triton_bench python -m hstu_kernels.triton.bench
       run triton_bias_bench python -m hstu_kernels.triton.bench_bias
