@@ -224,16 +224,18 @@ class HSTUModel(nn.Module):
                 module.fused = cfg.fused_norm and cuda
         for layer in self.layers:
             layer.fused_silu = cfg.fused_silu and cuda
-        self.use_tf32_head(cuda)
+        # a reduced-precision model's fp32 head on CUDA with TF32 math; an fp32 model keeps it
+        # full fp32, so its GPU run stays within fp32 rounding of the CPU's
+        self.use_tf32_head(cuda and self.compute_dtype != torch.float32)
         for name, child in self.named_children():
             if not (meta_tables and name == "embedding"):
                 child.to(device)
 
     def use_tf32_head(self, enabled: bool) -> None:
-        """The ranking head's fp32 matmuls with TF32 math (on CUDA by default, as JAX runs an
-        fp32 dot there) or in full fp32. Two computations that agree to fp32 rounding (padded
-        and unpadded, fused and eager) are compared with it off: TF32 rounds the head's inputs
-        to 10 bits, so a change in z's 7th digit can move the head's output in its 4th."""
+        """The ranking head's fp32 matmuls with TF32 math (the default on CUDA for bf16 / fp16
+        models, as JAX runs an fp32 dot there) or in full fp32 (fp32 models, CPU). TF32 rounds
+        the head's inputs to 10 bits: a change in z's 7th digit can move the head's output in
+        its 4th, so two runs that agree to fp32 rounding elsewhere drift by ~1e-4 with it."""
         if self.cfg.task == "ranking":
             self.head.hidden.tf32 = self.head.out.tf32 = enabled
 

@@ -300,10 +300,12 @@ def test_the_tf32_head_op_has_addmms_gradients():
 
 @pytest.mark.gpu
 def test_the_ranking_head_multiplies_fp32_with_tf32_on_cuda():
-    """The head's fp32 matmuls run with TF32 math on CUDA (JAX's default precision there):
-    their error against float64 is TF32's (~1e-3 relative), not fp32's (~1e-6), forward and
-    backward, and the process's TF32 setting is what it was."""
-    cfg = _cfg("ranking")
+    """A bf16 model's fp32 head matmuls run with TF32 math on CUDA (JAX's default precision
+    there): their error against float64 is TF32's (~1e-3 relative), not fp32's (~1e-6),
+    forward and backward, and the process's TF32 setting is what it was. An fp32 model's head
+    stays full fp32."""
+    assert not HSTUModel(_cfg("ranking").model, "cuda").head.hidden.tf32
+    cfg = _cfg("ranking", "model.dtype=bfloat16")
     model = HSTUModel(cfg.model, "cuda")
     head = model.head.hidden
     assert head.tf32 and model.head.out.tf32

@@ -224,8 +224,6 @@ def test_captured_step_graphs_train_as_the_eager_step(task, tables):
     for graphed in (False, True):
         torch.manual_seed(0)
         backend = TorchBackend(cfg, 0, 1, "cuda")
-        backend.model.use_tf32_head(False)  # the comparison at fp32 rounding (the head's
-        # loss rows are bounded in the graph, the candidates in eager: other GEMM shapes)
         if graphed:
             backend.use_cuda_graphs(CapacityPolicy((32, 128)))
         metrics = []

@@ -182,7 +182,6 @@ def test_the_model_with_and_without_the_fused_norm(attention):
         model.load_params(init_params(cfg.model, seed=0))
         assert all(m.fused == fused for m in model.modules() if hasattr(m, "fused"))
         assert all(layer.fused_silu == fused for layer in model.layers)
-        model.use_tf32_head(False)  # the comparison at fp32 rounding
         tb = to_torch(make_global_batch(cfg, 8, (8,))[0]).strip_padding().to("cuda")
         loss, _ = model(tb, 10)
         loss.backward()
