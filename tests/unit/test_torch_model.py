@@ -251,6 +251,7 @@ def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_
         np.testing.assert_allclose(grads["fused"][1][name], g, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow  # ~8 s interpreted: the default tier keeps the kernels' own tests
 def test_the_fused_kernels_give_torchs_loss_and_gradients():
     """`model.fused_norm` and `model.fused_silu`'s kernels (interpreted here, as on CUDA):
     each layer's residual add in the next norm (`add_layer_norm`, the last in the final norm),
