@@ -42,9 +42,7 @@ def _torch_side(cfg, params, batch, global_targets):
     tb = to_torch(batch).strip_padding()  # what TorchBackend.forward_backward feeds the model
     with torch.no_grad():
         x, seq = model.sequence(tb)
-        for layer in model.layers:
-            x = layer(x, seq)
-        z = model.final_norm(x)
+        z = model.stack(x, seq)
     loss, sums = model(tb, global_targets)
     loss.backward()
     grads = {n: p.grad.numpy().copy() for n, p in model.named_core_parameters().items()}
