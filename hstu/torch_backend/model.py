@@ -151,24 +151,24 @@ class HSTULayer(nn.Module):
             rab_pos=self.rab_position.to(x.dtype) if self.rab_position is not None else None,
             rab_time=self.rab_time.to(x.dtype) if self.rab_time is not None else None,
         )
-        if self.uvqk_attention is not None:
-            dims = dict(num_heads=h, linear_dim=dv, attention_dim=dqk)
-            if self.attn_norm.fused:  # the gated norm inside the op: u's gradient in place
-                norm = (self.attn_norm.scale, self.attn_norm.bias, LN_EPS)
-                y = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw, norm=norm)
-            else:
-                u, a = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw)
-                y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
+        dims = dict(num_heads=h, linear_dim=dv, attention_dim=dqk)
+        if self.uvqk_attention is not None and self.attn_norm.fused:
+            # the gated norm inside the op: u's gradient written in place
+            norm = (self.attn_norm.scale, self.attn_norm.bias, LN_EPS)
+            y = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw, norm=norm)
         else:
-            u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
-            unflat = (h, -1)
-            a = self.attention(
-                q.unflatten(-1, unflat),
-                k.unflatten(-1, unflat),
-                v.unflatten(-1, unflat),
-                seq["offsets"],
-                **kw,
-            )
+            if self.uvqk_attention is not None:
+                u, a = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw)
+            else:
+                u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+                unflat = (h, -1)
+                a = self.attention(
+                    q.unflatten(-1, unflat),
+                    k.unflatten(-1, unflat),
+                    v.unflatten(-1, unflat),
+                    seq["offsets"],
+                    **kw,
+                )
             y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
         return x, self.output(y)
