@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
@@ -92,9 +93,55 @@ class _Tf32Addmm(torch.autograd.Function):
         return dx, dkernel, dy.sum(0) if need[2] else None
 
 
+def widened_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` of reduced-precision operands in fp32: on CUDA cuBLAS's fp32 accumulator
+    written as is (`out_dtype`), elsewhere the product rounded to the operands' dtype and
+    widened (what autograd of `kernel.to(bf16)` gives: CPU torch has no `out_dtype` GEMM)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def reduced_weights(linears, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(kernel, bias)` of every linear in `dtype`, copied outside autograd by one multi-tensor
+    copy (on CUDA a launch or two for the whole stack, where a cast per tensor took one each,
+    forward and backward): `Linear` / `linear_silu` take them as the operands of their GEMMs
+    and return the fp32 parameters' gradients themselves (`_ReducedAddmm`)."""
+    src = [t for linear in linears for t in (linear.kernel, linear.bias)]
+    with torch.no_grad():
+        dst = [torch.empty_like(t, dtype=dtype) for t in src]
+        torch._foreach_copy_(dst, src)
+    return list(zip(dst[0::2], dst[1::2], strict=True))
+
+
+class _ReducedAddmm(torch.autograd.Function):
+    """`bias + x @ kernel` of a bf16 / fp16 `x` with fp32 parameters, the GEMM's operands their
+    copies in x's dtype (`reduced_weights`). Backward: the parameters' gradients in fp32 from
+    the GEMM's accumulator and an fp32 column sum (`widened_mm`), where autograd of
+    `kernel.to(x.dtype)` rounds them to x's dtype and launches a cast back per parameter."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, bias, kernel_lp, bias_lp):
+        ctx.save_for_backward(x, kernel_lp)
+        return torch.addmm(bias_lp, x, kernel_lp)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, kernel_lp = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx = dy @ kernel_lp.t() if need[0] else None
+        dkernel = widened_mm(x.t(), dy) if need[1] else None
+        dbias = dy.sum(0, dtype=torch.float32) if need[2] else None
+        return dx, dkernel, dbias, None, None
+
+
 class Linear(nn.Module):
     """x @ kernel + bias with the kernel stored `[in, out]` like the core. `tf32` (the ranking
-    head on CUDA): an fp32 `x` is multiplied with TF32 math, as JAX does (`_Tf32Addmm`)."""
+    head on CUDA): an fp32 `x` is multiplied with TF32 math, as JAX does (`_Tf32Addmm`). A
+    reduced-precision `x` multiplies the parameters' copies in its dtype (`reduced`: those
+    `reduced_weights` made for the whole stack, else made here) and gets fp32 gradients for
+    them (`_ReducedAddmm`)."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
@@ -102,10 +149,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim_out))
         self.tf32 = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tf32 and x.dtype == torch.float32 and x.is_cuda:
+    def forward(self, x: torch.Tensor, reduced: tuple | None = None) -> torch.Tensor:
+        if x.dtype != self.kernel.dtype:
+            reduced = reduced or reduced_weights([self], x.dtype)[0]
+            return _ReducedAddmm.apply(x, self.kernel, self.bias, *reduced)
+        if self.tf32 and x.is_cuda:
             return _Tf32Addmm.apply(x, self.kernel, self.bias)
-        return torch.addmm(self.bias.to(x.dtype), x, self.kernel.to(x.dtype))
+        return torch.addmm(self.bias, x, self.kernel)
 
 
 class HSTULayer(nn.Module):
@@ -128,19 +178,27 @@ class HSTULayer(nn.Module):
         self.fused_silu = False  # `model.fused_silu` on CUDA (HSTUModel sets it)
 
     def forward(
-        self, x: torch.Tensor, seq: dict, pending: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        seq: dict,
+        pending: torch.Tensor | None = None,
+        reduced: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x + pending, this layer's residual branch)`: the stream's add is left to the next
         layer's input norm (`LayerNorm.add`, fused with it) or the final norm (`run_stack`);
-        `pending`: the previous layer's branch (None for the first layer)."""
+        `pending`: the previous layer's branch (None for the first layer); `reduced`: the uvqk
+        and output linears' parameters in x's dtype (`reduced_weights`), else made here."""
         x, normed = self.input_norm.add(x, pending)
         h, dqk, dv = self.num_heads, self.dqk, self.dv
+        if reduced is None and x.dtype != self.uvqk.kernel.dtype:
+            reduced = reduced_weights([self.uvqk, self.output], x.dtype)
+        uvqk_lp, output_lp = reduced or (None, None)
         if self.fused_silu:  # SiLU's backward and the bias gradient in one kernel
             from hstu_kernels.triton.linear_silu import linear_silu
 
-            uvqk = linear_silu(normed, self.uvqk.kernel, self.uvqk.bias)
+            uvqk = linear_silu(normed, self.uvqk.kernel, self.uvqk.bias, uvqk_lp)
         else:
-            uvqk = F.silu(self.uvqk(normed))
+            uvqk = F.silu(self.uvqk(normed, uvqk_lp))
         kw = dict(
             max_seqlen=seq["max_seqlen"],
             alpha=self.alpha,
@@ -171,15 +229,20 @@ class HSTULayer(nn.Module):
                 )
             y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
-        return x, self.output(y)
+        return x, self.output(y, output_lp)
 
 
 def run_stack(layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict) -> torch.Tensor:
     """The HSTU layers and the final norm: `z [T, D]` in fp32. Each layer's residual add
-    happens in the next norm (`HSTULayer.forward`)."""
+    happens in the next norm (`HSTULayer.forward`); a reduced-precision stack's linears get
+    their parameters' copies in x's dtype from one multi-tensor copy (`reduced_weights`)."""
+    linears = [linear for layer in layers for linear in (layer.uvqk, layer.output)]
+    reduced = None
+    if linears and x.dtype != linears[0].kernel.dtype:
+        reduced = reduced_weights(linears, x.dtype)
     pending = None
-    for layer in layers:
-        x, pending = layer(x, seq, pending)
+    for i, layer in enumerate(layers):
+        x, pending = layer(x, seq, pending, reduced[2 * i : 2 * i + 2] if reduced else None)
     return final_norm.add(x, pending)[1].float()
 
 

@@ -154,9 +154,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
 
 class _LinearSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        w = weight.to(x.dtype)
-        pre = torch.addmm(bias.to(x.dtype), x, w)
+    def forward(ctx, x, weight, bias, weight_x, bias_x):
+        """`weight_x`, `bias_x`: the parameters in x's dtype (the caller's, or cast here)."""
+        w = weight.to(x.dtype) if weight_x is None else weight_x
+        pre = torch.addmm(bias.to(x.dtype) if bias_x is None else bias_x, x, w)
         y = F.silu(pre)
         ctx.save_for_backward(x, w, pre)
         ctx.param_dtypes = weight.dtype, bias.dtype
@@ -166,7 +167,7 @@ class _LinearSiLU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, w, pre = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         weight_dtype, bias_dtype = ctx.param_dtypes
         if not (need_x or need_w or need_b):
             return None, None, None
@@ -198,15 +199,32 @@ class _LinearSiLU(torch.autograd.Function):
         if need_x:
             dx = dpre @ w.t()
         if need_w:
-            dweight = (x.t() @ dpre).to(weight_dtype)
-        return dx, dweight, dbias
+            if x.is_cuda and x.dtype != weight_dtype:  # cuBLAS's accumulator, not rounded
+                dweight = torch.mm(x.t(), dpre, out_dtype=weight_dtype)
+            else:
+                dweight = (x.t() @ dpre).to(weight_dtype)
+        return dx, dweight, dbias, None, None
 
 
-def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def linear_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    reduced: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """silu(x @ weight.to(x.dtype) + bias.to(x.dtype)), weight [in, out], bias [out] (fp32
-    parameters, x [T, in] in the compute dtype, e.g. bf16); differentiable in x, weight, bias."""
+    parameters, x [T, in] in the compute dtype, e.g. bf16); differentiable in x, weight, bias.
+    `reduced`: `(weight, bias)` already in x's dtype (copies the caller made for a whole stack
+    at once), the forward's GEMM operands; the gradients are still `weight`'s and `bias`'s,
+    in their dtype: on CUDA the weight's from the GEMM's fp32 accumulator (`out_dtype`)."""
     _check(x, weight, bias)
-    return _LinearSiLU.apply(x, weight, bias)
+    if reduced is not None and (reduced[0].shape, reduced[1].shape) != (weight.shape, bias.shape):
+        raise ValueError(
+            f"reduced copies of shapes {tuple(reduced[0].shape)}, {tuple(reduced[1].shape)} "
+            f"for weight {tuple(weight.shape)} and bias {tuple(bias.shape)}"
+        )
+    weight_x, bias_x = reduced if reduced is not None else (None, None)
+    return _LinearSiLU.apply(x, weight, bias, weight_x, bias_x)
 
 
 def linear_silu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):

@@ -299,6 +299,119 @@ def test_the_tf32_head_op_has_addmms_gradients():
     assert torch.backends.cuda.matmul.allow_tf32 is False  # the process's setting, restored
 
 
+def _linear_grads(linear, x, dy, reduced=None):
+    """`(y, dx, dkernel, dbias)` of one `Linear` call."""
+    x = x.clone().requires_grad_()
+    linear.zero_grad(set_to_none=True)
+    y = linear(x, reduced)
+    y.backward(dy)
+    return y.detach(), x.grad, linear.kernel.grad, linear.bias.grad
+
+
+def test_a_bf16_linear_differentiates_as_its_cast_parameters():
+    """A bf16 `x` through an fp32 `Linear` (`_ReducedAddmm`): the output and `dx` of
+    `addmm(bias.bf16, x, kernel.bf16)` bit for bit, the kernel's gradient too on the CPU
+    (there the product is rounded to bf16, then widened, as autograd of the casts does), the
+    bias gradient the fp32 column sum of `dy` (autograd rounds it to bf16 first); copies made
+    beforehand for a whole stack (`reduced_weights`) give the same."""
+    from hstu.torch_backend.model import Linear, reduced_weights
+
+    g = torch.Generator().manual_seed(0)
+    linear = Linear(48, 40)
+    with torch.no_grad():
+        linear.kernel.copy_(torch.randn(48, 40, generator=g))
+        linear.bias.copy_(torch.randn(40, generator=g))
+    x = torch.randn(33, 48, generator=g).bfloat16()
+    dy = torch.randn(33, 40, generator=g).bfloat16()
+    k, b = (linear.kernel.detach().requires_grad_(), linear.bias.detach().requires_grad_())
+    xw = x.clone().requires_grad_()
+    want = torch.addmm(b.bfloat16(), xw, k.bfloat16())
+    want.backward(dy)
+    got = _linear_grads(linear, x, dy)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == got[3].dtype == torch.float32
+    for a, e in zip(got[:3], (want.detach(), xw.grad, k.grad), strict=True):
+        assert torch.equal(a, e)
+    assert torch.equal(got[3], dy.float().sum(0))
+    np.testing.assert_allclose(got[3], b.grad, rtol=2**-8)  # autograd's, rounded to bf16
+    assert not torch.equal(got[3], b.grad)
+    precast = _linear_grads(linear, x, dy, reduced_weights([linear], torch.bfloat16)[0])
+    for a, e in zip(precast, got, strict=True):
+        assert torch.equal(a, e)
+
+
+def test_the_stack_casts_its_weights_once_and_trains_as_layer_by_layer():
+    """A bf16 stack (`run_stack`) makes every linear's bf16 copy in one multi-tensor copy
+    before its first layer (not one cast per parameter in each layer, forward and backward)
+    and gives the loss and gradients of layers that cast their own."""
+    from hstu.torch_backend import model as model_module
+
+    cfg = _cfg("ranking", "model.num_layers=2", "model.dtype=bfloat16")
+    batch = make_global_batch(cfg, 4, (4,))[0]
+    calls, results = [], []
+    real = model_module.reduced_weights
+
+    def spy(linears, dtype):
+        calls.append(len(linears))
+        return real(linears, dtype)
+
+    for per_layer in (False, True):
+        model = HSTUModel(cfg.model)
+        model.load_params(init_params(cfg.model, seed=0))
+        x, seq = model.sequence(to_torch(batch))
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model_module, "reduced_weights", spy)
+            if per_layer:
+                pending = None
+                for layer in model.layers:
+                    x, pending = layer(x, seq, pending)
+                z = model.final_norm.add(x, pending)[1].float()
+            else:
+                z = model.stack(x, seq)
+        assert calls == ([2, 2] if per_layer else [4])
+        z.square().sum().backward()
+        results.append((z.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want_z, want), (got_z, got) = results
+    assert torch.equal(got_z, want_z)
+    for name, grad in want.items():
+        assert (grad is None) == (got[name] is None), name
+        if grad is not None:
+            assert got[name].dtype == torch.float32, name
+            assert torch.equal(got[name], grad), name
+
+
+@pytest.mark.gpu
+def test_a_bf16_linears_weight_gradient_is_the_gemms_fp32_accumulator_on_cuda():
+    """On CUDA the kernel's gradient of a bf16 linear is cuBLAS's fp32 accumulator
+    (`out_dtype`), within fp32 summation error of float64, where rounding it to bf16 first
+    would leave ~2e-3; the uvqk linear with SiLU (`linear_silu`) the same."""
+    from hstu_kernels.triton.linear_silu import linear_silu
+
+    from hstu.torch_backend.model import Linear, reduced_weights
+
+    g = torch.Generator().manual_seed(0)
+    linear = Linear(256, 512).cuda()
+    with torch.no_grad():
+        linear.kernel.copy_(torch.randn(256, 512, generator=g))
+    x = torch.randn(1024, 256, generator=g).cuda().bfloat16()
+    dy = torch.randn(1024, 512, generator=g).cuda().bfloat16()
+    _, _, dkernel, dbias = _linear_grads(linear, x, dy)
+    want = x.double().t() @ dy.double()
+    scale = float(want.abs().max())
+    assert float((dkernel.double() - want).abs().max()) / scale < 1e-5
+    assert float((dbias.double() - dy.double().sum(0)).abs().max()) < 1e-3
+    xs = x.clone().requires_grad_()
+    reduced = reduced_weights([linear], torch.bfloat16)[0]
+    linear.zero_grad(set_to_none=True)
+    y = linear_silu(xs, linear.kernel, linear.bias, reduced)
+    y.backward(dy)
+    pre = torch.addmm(reduced[1], x, reduced[0])  # the kernel's dpre is eager torch's
+    dpre = torch.ops.aten.silu_backward(dy, pre)
+    want = x.double().t() @ dpre.double()
+    err = float((linear.kernel.grad.double() - want).abs().max()) / float(want.abs().max())
+    assert err < 1e-5, err
+
+
 @pytest.mark.gpu
 def test_the_ranking_head_multiplies_fp32_with_tf32_on_cuda():
     """A bf16 model's fp32 head matmuls run with TF32 math on CUDA (JAX's default precision

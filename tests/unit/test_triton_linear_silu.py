@@ -167,6 +167,24 @@ def test_tensors_on_two_devices_are_an_error():
         linear_silu(x, w, b)
 
 
+def test_reduced_copies_give_the_casts_results():
+    # the stack's bf16 copies made beforehand (`reduced`) in place of the casts in the op: the
+    # same output and gradients, still the fp32 parameters'; copies of other shapes an error
+    x, w, b, dy = _inputs(70, 16, 48, seed=3)
+    x = x.bfloat16()
+    want = _run(linear_silu, *(a.to(DEVICE) for a in (x, w, b, dy.bfloat16())))
+    reduced = (w.bfloat16().to(DEVICE), b.bfloat16().to(DEVICE))
+    got = _run(
+        lambda *a: linear_silu(*a, reduced=reduced),
+        *(a.to(DEVICE) for a in (x, w, b, dy.bfloat16())),
+    )
+    for a, e in zip(got, want, strict=True):
+        assert torch.equal(a, e)
+    assert got[2].dtype == got[3].dtype == torch.float32
+    with pytest.raises(ValueError, match=r"reduced copies of shapes \(16, 48\), \(47,\)"):
+        linear_silu(x, w, b, (reduced[0], reduced[1][:47]))
+
+
 @pytest.mark.gpu
 def test_linear_silu_on_the_benchmark_shape():
     # bench_upstream's uvqk projection: ~12K tokens, 1024 -> 4096, bf16
