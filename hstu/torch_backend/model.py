@@ -47,18 +47,22 @@ class LayerNorm(nn.Module):
         y = F.layer_norm(x, x.shape[-1:], self.scale.to(x.dtype), self.bias.to(x.dtype), eps=LN_EPS)
         return y if gate is None else y * gate
 
-    def add(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(h, norm(h))` with `h = x + residual` (`x` when None): the residual stream's add and
-        this norm, one kernel each way when fused (`add_layer_norm`)."""
-        if residual is None:
+    def add(self, x: torch.Tensor, pending: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h, norm(h))` with `h = x + residual (+ bias)` for `pending = (residual, bias or
+        None)` (`h = x` when `pending` is None): the residual stream's add and this norm, one
+        kernel each way when fused (`add_layer_norm`, which also sums the bias's gradient). A
+        bias is added in fp32 and `h` rounded once, as the kernel does."""
+        if pending is None:
             return x, self(x)
+        residual, bias = pending
         if self.fused:
             from hstu_kernels.triton.layer_norm import add_layer_norm
 
-            return add_layer_norm(x, residual, self.scale, self.bias, LN_EPS)
-        h = x + residual
+            return add_layer_norm(x, residual, self.scale, self.bias, LN_EPS, bias)
+        if bias is None:
+            h = x + residual
+        else:
+            h = (x.float() + residual.float() + bias.float()).to(x.dtype)
         return h, self(h)
 
 
@@ -122,8 +126,9 @@ class _ReducedAddmm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kernel, bias, kernel_lp, bias_lp):
+        """`bias` / `bias_lp` None: `x @ kernel` (a bias added elsewhere)."""
         ctx.save_for_backward(x, kernel_lp)
-        return torch.addmm(bias_lp, x, kernel_lp)
+        return torch.mm(x, kernel_lp) if bias_lp is None else torch.addmm(bias_lp, x, kernel_lp)
 
     @staticmethod
     @once_differentiable
@@ -141,7 +146,8 @@ class Linear(nn.Module):
     head on CUDA): an fp32 `x` is multiplied with TF32 math, as JAX does (`_Tf32Addmm`). A
     reduced-precision `x` multiplies the parameters' copies in its dtype (`reduced`: those
     `reduced_weights` made for the whole stack, else made here) and gets fp32 gradients for
-    them (`_ReducedAddmm`)."""
+    them (`_ReducedAddmm`). `bias=False`: `x @ kernel`, the caller adds the bias (a layer's
+    output projection, whose bias the next fused norm adds: `LayerNorm.add`)."""
 
     def __init__(self, dim_in: int, dim_out: int):
         super().__init__()
@@ -149,10 +155,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim_out))
         self.tf32 = False
 
-    def forward(self, x: torch.Tensor, reduced: tuple | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, reduced: tuple | None = None, bias: bool = True
+    ) -> torch.Tensor:
         if x.dtype != self.kernel.dtype:
-            reduced = reduced or reduced_weights([self], x.dtype)[0]
-            return _ReducedAddmm.apply(x, self.kernel, self.bias, *reduced)
+            kernel_lp, bias_lp = reduced or reduced_weights([self], x.dtype)[0]
+            if not bias:
+                return _ReducedAddmm.apply(x, self.kernel, None, kernel_lp, None)
+            return _ReducedAddmm.apply(x, self.kernel, self.bias, kernel_lp, bias_lp)
+        if not bias:
+            return x @ self.kernel
         if self.tf32 and x.is_cuda:
             return _Tf32Addmm.apply(x, self.kernel, self.bias)
         return torch.addmm(self.bias, x, self.kernel)
@@ -181,13 +193,15 @@ class HSTULayer(nn.Module):
         self,
         x: torch.Tensor,
         seq: dict,
-        pending: torch.Tensor | None = None,
+        pending: tuple | None = None,
         reduced: list | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, tuple]:
         """`(x + pending, this layer's residual branch)`: the stream's add is left to the next
-        layer's input norm (`LayerNorm.add`, fused with it) or the final norm (`run_stack`);
-        `pending`: the previous layer's branch (None for the first layer); `reduced`: the uvqk
-        and output linears' parameters in x's dtype (`reduced_weights`), else made here."""
+        layer's input norm (`LayerNorm.add`, fused with it) or the final norm (`run_stack`).
+        A branch is `(output, bias or None)`: with fused norms the output projection's bias
+        is added (and its gradient summed) by the next norm's kernel. `pending`: the previous
+        layer's branch (None for the first layer); `reduced`: the uvqk and output linears'
+        parameters in x's dtype (`reduced_weights`), else made here."""
         x, normed = self.input_norm.add(x, pending)
         h, dqk, dv = self.num_heads, self.dqk, self.dv
         if reduced is None and x.dtype != self.uvqk.kernel.dtype:
@@ -229,7 +243,9 @@ class HSTULayer(nn.Module):
                 )
             y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
         y = F.dropout(y, self.dropout, self.training)
-        return x, self.output(y, output_lp)
+        if self.input_norm.fused:  # the next norms are too (`model.fused_norm`)
+            return x, (self.output(y, output_lp, bias=False), self.output.bias)
+        return x, (self.output(y, output_lp), None)
 
 
 def run_stack(layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict) -> torch.Tensor:

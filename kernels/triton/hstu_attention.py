@@ -273,7 +273,7 @@ class _UvqkAttentionNorm(torch.autograd.Function):
         grad = torch.empty(shape, dtype=dtype, device=device)
         gu, gv, gq, gk = _uvqk_views(grad, heads, linear_dim, attention_dim)
         dy2 = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dout, _, dweight, dbias = _ln.backward(out2, weight, bias, mean, rstd, dy2, g2=u, dg=gu)
+        dout, _, dweight, dbias, _ = _ln.backward(out2, weight, bias, mean, rstd, dy2, g2=u, dg=gu)
         *_, drp, drt = _bwd_impl(  # dq, dk, dv: written into gq, gk, gv
             dout.view(q.shape[0], heads, linear_dim), q, k, v, seq_offsets, max_seqlen, alpha,
             normalizer, nc, nk, ts, rp, rt, need_rp, need_rt, _unpack_blocks(blocks)[1],

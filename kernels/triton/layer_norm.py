@@ -5,6 +5,8 @@ kernel each way.
     y = ((x - mean) * rstd * weight + bias) * gate   (HSTU's `attn_norm(a) * u`)
     h = x + r; y = LN(h)                             (`add_layer_norm`: a residual stream's add
                                                       with the next layer's input norm)
+    h = x + (r + c); y = LN(h)                       (`residual_bias=c`: the bias of the linear
+                                                      that made `r`, added here)
 
 Statistics and arithmetic in fp32 whatever `x`'s dtype; `weight` and `bias` are read in their
 own dtype (the model's fp32 parameters: no cast kernels, and their gradients come back in it).
@@ -16,7 +18,10 @@ and reduces the weight/bias gradients in per-program fp32 partials summed at the
 With a residual the forward also writes `h` (rounded to `x`'s dtype, and normalised as rounded,
 as eager torch's add then norm), and the backward adds `h`'s own upstream gradient to the
 norm's: one kernel each way where eager torch runs the add, the norm, and in backward the
-accumulation of the two gradients of `h`.
+accumulation of the two gradients of `h`. A residual bias `c` (`[D]`, the parameter's dtype)
+is added in fp32 before the one rounding of `h`; its gradient, the column sum of `h`'s whole
+gradient, is summed in the same backward pass as the norm's (the linear that made `r` then
+runs its GEMM without a bias, and no separate column reduction of its output gradient runs).
 
 Rows are independent: padding rows of a token capacity (all zero, zero upstream gradient) give
 a zero `dx` and add nothing to `dweight` / `dbias`, as with `F.layer_norm`.
@@ -31,9 +36,10 @@ import triton.language as tl
 
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, R, H, W, B, G, Y, MEAN, RSTD,
+    X, R, RB, H, W, B, G, Y, MEAN, RSTD,
     stride_x, stride_r, stride_h, stride_g, stride_y, T, D, eps,
-    HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, HAS_RB: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -42,7 +48,10 @@ def _layer_norm_fwd_kernel(
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:  # h = x + r, stored and normalised as rounded to the stream's dtype
         r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        r = r.to(tl.float32)
+        if HAS_RB:  # the residual's bias, in fp32: h is rounded once
+            r += tl.load(RB + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(mask, x.to(tl.float32) + r, 0.0).to(H.dtype.element_ty)
         tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
     mean = tl.sum(x, axis=1) / D
@@ -61,14 +70,15 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART,
+    X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART, DRB_PART,
     stride_x, stride_g, stride_dy, stride_dh, stride_dx, stride_dg, T, D,
-    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, HAS_RB: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
     gradient sums as row `pid` of the partials. `HAS_DH`: `X` is a residual sum `h` whose
-    own upstream gradient `DH` joins the norm's (dx = dh + the norm's dx)."""
+    own upstream gradient `DH` joins the norm's (dx = dh + the norm's dx). `HAS_RB`: the
+    column sums of dx (fp32, before its rounding) as row `pid` of the residual bias's."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -76,6 +86,7 @@ def _layer_norm_bwd_kernel(
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    drb = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for start in range(0, ROWS, BLOCK_R):
         rows = pid.to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
         rmask = rows < T
@@ -104,31 +115,42 @@ def _layer_norm_bwd_kernel(
         if HAS_DH:
             dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
             dx += dh.to(tl.float32)
+        if HAS_RB:
+            drb += tl.sum(dx, axis=0)
         tl.store(
             DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
         )
     tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
     tl.store(DB_PART + pid * D + cols, db, mask=cmask)
+    if HAS_RB:
+        tl.store(DRB_PART + pid * D + cols, drb, mask=cmask)
 
 
 @triton.jit
 def _layer_norm_sum_partials_kernel(
-    DW_PART, DB_PART, DW, DB, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    """Column block `pid` of the weight / bias gradients: the partials summed tile by tile in
-    a fixed order (rows past `P` load as zeros, as zero partials would)."""
+    DW_PART, DB_PART, DRB_PART, DW, DB, DRB, P, D,
+    HAS_RB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Column block `pid` of the weight / bias (and residual bias) gradients: the partials
+    summed tile by tile in a fixed order (rows past `P` load as zeros, as zero partials
+    would)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < D
     dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
     db = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    drb = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for start in range(0, P, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < P)[:, None] & cmask[None, :]
         offs = p[:, None] * D + cols[None, :]
         dw += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
         db += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
+        if HAS_RB:
+            drb += tl.sum(tl.load(DRB_PART + offs, mask=mask, other=0.0), axis=0)
     tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cmask)
     tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cmask)
+    if HAS_RB:
+        tl.store(DRB + cols, drb.to(DRB.dtype.element_ty), mask=cmask)
 
 
 # Rows per backward program. Fixed, not sized from T: the weight / bias gradient is then summed
@@ -154,12 +176,12 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(x2, weight, bias, eps, g2=None, r2=None, y=None):
-    """The norm of `x2 [T, D]` (plus `r2` when given), times `g2` when given, into `y` (new
-    when None). Returns `(y, h, mean, rstd)`: `h` the residual sum `x2 + r2` (None without
-    `r2`), the row statistics as the backward needs them. Shared by the autograd functions
-    here and the attention op that applies its gated norm in place
-    (`hstu_attention.hstu_uvqk_attention(norm=...)`)."""
+def forward(x2, weight, bias, eps, g2=None, r2=None, y=None, rb=None):
+    """The norm of `x2 [T, D]` (plus `r2` and its bias `rb` when given), times `g2` when
+    given, into `y` (new when None). Returns `(y, h, mean, rstd)`: `h` the residual sum
+    `x2 + r2 (+ rb)` (None without `r2`), the row statistics as the backward needs them.
+    Shared by the autograd functions here and the attention op that applies its gated norm in
+    place (`hstu_attention.hstu_uvqk_attention(norm=...)`)."""
     t, d = x2.shape
     if y is None:
         y = torch.empty((t, d), dtype=x2.dtype, device=x2.device)
@@ -172,21 +194,26 @@ def forward(x2, weight, bias, eps, g2=None, r2=None, y=None):
         (h if h is not None else x2),
     )
     block_r, block_d, warps = _tiles(d)
+    if rb is not None and r2 is None:
+        raise ValueError("a residual bias needs a residual")
     _layer_norm_fwd_kernel[(triton.cdiv(t, block_r),)](
-        x2, r, hh, weight, bias, g, y, mean, rstd,
+        x2, r, rb if rb is not None else weight, hh, weight, bias, g, y, mean, rstd,
         x2.stride(0), r.stride(0), hh.stride(0), g.stride(0), y.stride(0), t, d, eps,
-        HAS_GATE=g2 is not None, HAS_RES=r2 is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=warps,
+        HAS_GATE=g2 is not None, HAS_RES=r2 is not None, HAS_RB=rb is not None,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     return y, h, mean, rstd
 
 
-def backward(x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=None):
-    """The gradients of `forward`: `(dx, dgate, dweight, dbias)`. `x2` is what was normalised
-    (the residual sum `h` when there was one: then `dh2`, `h`'s own upstream gradient, is added
-    into dx, which is the gradient of both summands). `dx` / `dg`: where to write them (views
-    with unit column stride may be strided rows, e.g. the u columns of a wider gradient); new
-    when None. dgate is None without `g2`."""
+def backward(
+    x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=None, rb=None
+):  # fmt: skip
+    """The gradients of `forward`: `(dx, dgate, dweight, dbias, dresidual_bias)`. `x2` is what
+    was normalised (the residual sum `h` when there was one: then `dh2`, `h`'s own upstream
+    gradient, is added into dx, which is the gradient of both summands). `dx` / `dg`: where to
+    write them (views with unit column stride may be strided rows, e.g. the u columns of a
+    wider gradient); new when None. dgate is None without `g2`; the residual bias's gradient
+    (the column sums of dx, in `rb`'s dtype) None without `rb`."""
     t, d = x2.shape
     if dx is None:
         dx = torch.empty_like(x2)
@@ -200,18 +227,21 @@ def backward(x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=N
     programs = triton.cdiv(t, ROWS_PER_PROGRAM)
     dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
     db = torch.empty_like(dw)
+    drb = torch.empty_like(dw) if rb is not None else dw  # not written without rb
     block_r, block_d, warps = _tiles(d)
     _layer_norm_bwd_kernel[(programs,)](
-        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db,
+        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db, drb,
         x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0), t, d,
-        HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, ROWS=ROWS_PER_PROGRAM,
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, HAS_RB=rb is not None,
+        ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
+    drbias = torch.empty_like(rb) if rb is not None else None
     _layer_norm_sum_partials_kernel[(triton.cdiv(d, _SUM_COLS),)](
-        dw, db, dweight, dbias, programs, d, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS
-    )
-    return dx, (dg if g2 is not None else None), dweight, dbias
+        dw, db, drb, dweight, dbias, drbias if rb is not None else dbias, programs, d,
+        HAS_RB=rb is not None, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS,
+    )  # fmt: skip
+    return dx, (dg if g2 is not None else None), dweight, dbias, drbias
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -228,7 +258,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, bias, g2, mean, rstd = ctx.saved_tensors
-        dx, dg, dweight, dbias = backward(
+        dx, dg, dweight, dbias, _ = backward(
             x2, weight, bias, mean, rstd, _rows(dy, x2.shape[1]), g2=g2
         )
         dgate = dg.reshape(ctx.shape) if dg is not None else None
@@ -237,24 +267,31 @@ class _LayerNorm(torch.autograd.Function):
 
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps):
+    def forward(ctx, x, residual, weight, bias, eps, residual_bias):
         d = x.shape[-1]
-        y, h, mean, rstd = forward(_rows(x, d), weight, bias, eps, r2=_rows(residual, d))
-        ctx.save_for_backward(h, weight, bias, mean, rstd)
+        y, h, mean, rstd = forward(
+            _rows(x, d), weight, bias, eps, r2=_rows(residual, d), rb=residual_bias
+        )
+        ctx.save_for_backward(h, weight, bias, mean, rstd, residual_bias)
         ctx.shape = x.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return h.reshape(x.shape), y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dh, dy):
-        h, weight, bias, mean, rstd = ctx.saved_tensors
+        h, weight, bias, mean, rstd, rb = ctx.saved_tensors
         d = h.shape[1]
         if dy is None:  # only h was used downstream: its gradient passes to both summands
-            return dh, dh, None, None, None
+            drb = None
+            if rb is not None and ctx.needs_input_grad[5]:
+                drb = dh.reshape(-1, d).sum(0, dtype=torch.float32).to(rb.dtype)
+            return dh, dh, None, None, None, drb
         dh2 = _rows(dh, d) if dh is not None else None
-        dx, _, dweight, dbias = backward(h, weight, bias, mean, rstd, _rows(dy, d), dh2=dh2)
+        dx, _, dweight, dbias, drb = backward(
+            h, weight, bias, mean, rstd, _rows(dy, d), dh2=dh2, rb=rb
+        )
         dx = dx.reshape(ctx.shape)
-        return dx, dx, dweight, dbias, None
+        return dx, dx, dweight, dbias, None, drb
 
 
 def layer_norm(
@@ -272,16 +309,27 @@ def layer_norm(
 
 
 def add_layer_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(h, layer_norm(h))` with `h = x + residual` (rounded to `x`'s dtype): a residual
-    stream's add and the next norm in one kernel each way; differentiable in all four."""
+    """`(h, layer_norm(h))` with `h = x + residual (+ residual_bias)` (rounded once to `x`'s
+    dtype): a residual stream's add and the next norm in one kernel each way; differentiable
+    in all of them. `residual_bias` `[D]`: the bias of the linear that made `residual` (which
+    then skips it), its gradient summed in the norm's backward pass."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must have the shape and dtype of "
             f"x {tuple(x.shape)} {x.dtype}"
         )
-    return _AddLayerNorm.apply(x, residual, weight, bias, eps)
+    if residual_bias is not None and tuple(residual_bias.shape) != (x.shape[-1],):
+        raise ValueError(
+            f"residual_bias {tuple(residual_bias.shape)} must be [D] = [{x.shape[-1]}]"
+        )
+    return _AddLayerNorm.apply(x, residual, weight, bias, eps, residual_bias)
 
 
 def layer_norm_reference(x, weight, bias, eps, gate=None):
@@ -292,7 +340,11 @@ def layer_norm_reference(x, weight, bias, eps, gate=None):
     return y if gate is None else y * gate
 
 
-def add_layer_norm_reference(x, residual, weight, bias, eps):
-    """`add_layer_norm` in plain torch."""
-    h = x + residual
+def add_layer_norm_reference(x, residual, weight, bias, eps, residual_bias=None):
+    """`add_layer_norm` in plain torch (the residual's bias added in fp32 or wider)."""
+    if residual_bias is None:
+        h = x + residual
+    else:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        h = (x.to(wide) + residual.to(wide) + residual_bias.to(wide)).to(x.dtype)
     return h, layer_norm_reference(h, weight, bias, eps)

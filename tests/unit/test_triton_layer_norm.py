@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -89,9 +90,12 @@ def test_zero_padding_rows_leave_every_gradient_bit_for_bit(gated):
         assert torch.equal(a, e)
 
 
-def _check_add(t: int, d: int, dtype, device: str, pad_rows: int = 0, used: str = "both"):
+def _check_add(
+    t: int, d: int, dtype, device: str, pad_rows: int = 0, used: str = "both", rbias=False
+):
     """`add_layer_norm` against the reference; `used`: which outputs the loss reads (`both`,
-    or `h` alone: the norm's backward then does not run)."""
+    or `h` alone: the norm's backward then does not run); `rbias`: with a residual bias (fp32,
+    its gradient the column sum of h's whole gradient)."""
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(t, d, generator=g) * 2 + 0.5, torch.randn(t, d, generator=g)
     x[t - pad_rows :] = 0.0
@@ -100,21 +104,32 @@ def _check_add(t: int, d: int, dtype, device: str, pad_rows: int = 0, used: str 
     dh, dy = torch.randn(t, d, generator=g), torch.randn(t, d, generator=g)
     dh[t - pad_rows :] = 0.0
     dy[t - pad_rows :] = 0.0
+    c = torch.randn(d, generator=g) * 0.5
 
     def run(args, fn):
-        x, r, w, b, dh, dy = args
-        x, r, w, b = (a.clone().requires_grad_() for a in (x, r, w, b))
-        h, y = fn(x, r, w, b, EPS)
+        x, r, w, b, c, dh, dy = args
+        x, r, w, b, c = (a.clone().requires_grad_() for a in (x, r, w, b, c))
+        h, y = fn(x, r, w, b, EPS, c if rbias else None)
         outs, grads = ((h, y), (dh, dy)) if used == "both" else ((h,), (dh,))
         torch.autograd.backward(outs, grads)
-        return [h, y, x.grad, r.grad, w.grad, b.grad]
+        return [h, y, x.grad, r.grad, w.grad, b.grad, c.grad]
 
     got = run([x.to(device, dtype), r.to(device, dtype), w.to(device), b.to(device),
-               dh.to(device, dtype), dy.to(device, dtype)], add_layer_norm)  # fmt: skip
-    want = run([a.double() for a in (x, r, w, b, dh, dy)], add_layer_norm_reference)
+               c.to(device), dh.to(device, dtype), dy.to(device, dtype)],
+              add_layer_norm)  # fmt: skip
+    want = run([a.double() for a in (x, r, w, b, c, dh, dy)], add_layer_norm_reference)
     assert got[0].dtype == got[1].dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     names = ["h", "y", "dx", "dresidual"] + (["dweight", "dbias"] if used == "both" else [])
+    if rbias:
+        assert got[6].dtype == torch.float32
+        for name, a, e in (("dresidual_bias", got[6], want[6]),):
+            a = a.double().cpu()
+            assert float((a - e).abs().max() / e.abs().max()) < tol, name
+        if dtype == torch.float32:  # the column sum of the gradient both summands get
+            np.testing.assert_allclose(got[6].cpu(), got[2].sum(0).cpu(), rtol=1e-5, atol=1e-5)
+    else:
+        assert got[6] is None
     for name, a, e in zip(names, got, want):
         a, e = a.detach().double().cpu(), e.detach()
         scale = e.abs().max().clamp_min(1e-12)
@@ -126,14 +141,37 @@ def _check_add(t: int, d: int, dtype, device: str, pad_rows: int = 0, used: str 
         assert bool((got[2][t - pad_rows :] == 0).all())
 
 
+@pytest.mark.parametrize("rbias", [False, True], ids=["add", "add_bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,d,pad", [(37, 48, 0), (130, 256, 9)])
-def test_residual_add_and_norm_match_torch(t, d, pad, dtype):
-    _check_add(t, d, dtype, "cuda" if _CUDA else "cpu", pad_rows=pad)
+def test_residual_add_and_norm_match_torch(t, d, pad, dtype, rbias):
+    _check_add(t, d, dtype, "cuda" if _CUDA else "cpu", pad_rows=pad, rbias=rbias)
 
 
-def test_residual_add_and_norm_when_only_the_sum_is_used():
-    _check_add(21, 32, torch.float32, "cuda" if _CUDA else "cpu", used="h")
+@pytest.mark.parametrize("rbias", [False, True], ids=["add", "add_bias"])
+def test_residual_add_and_norm_when_only_the_sum_is_used(rbias):
+    _check_add(21, 32, torch.float32, "cuda" if _CUDA else "cpu", used="h", rbias=rbias)
+
+
+def test_zero_padding_rows_leave_the_residual_bias_gradient_bit_for_bit():
+    # the residual bias's gradient is summed over fixed row groups like the norm's: a step
+    # padded to a token capacity gets it bit for bit (padding rows: zero upstream gradients)
+    device = "cuda" if _CUDA else "cpu"
+    g = torch.Generator().manual_seed(4)
+    t, d, pad = 45, 64, 83
+    x, r, dh, dy = (torch.randn(t, d, generator=g) for _ in range(4))
+    w, b, c = (torch.randn(d, generator=g) for _ in range(3))
+    grads = []
+    for rows in (t, t + pad):
+        xs, rs, dhs, dys = (
+            torch.cat([a, a.new_zeros(rows - t, d)]).to(device) for a in (x, r, dh, dy)
+        )
+        xs, rs, ws, bs, cs = (a.to(device).requires_grad_() for a in (xs, rs, w, b, c))
+        h, y = add_layer_norm(xs, rs, ws, bs, EPS, cs)
+        torch.autograd.backward((h, y), (dhs, dys))
+        grads.append([xs.grad[:t], ws.grad, bs.grad, cs.grad])
+    for a, e in zip(*grads, strict=True):
+        assert torch.equal(a, e)
 
 
 def test_a_residual_of_another_shape_or_dtype_is_an_error():
@@ -143,6 +181,8 @@ def test_a_residual_of_another_shape_or_dtype_is_an_error():
         add_layer_norm(x, torch.zeros(4, 4), w, b, EPS)
     with pytest.raises(ValueError, match=r"residual \(4, 8\) torch.bfloat16 must have"):
         add_layer_norm(x, torch.zeros(4, 8, dtype=torch.bfloat16), w, b, EPS)
+    with pytest.raises(ValueError, match=r"residual_bias \(7,\) must be \[D\] = \[8\]"):
+        add_layer_norm(x, torch.zeros(4, 8), w, b, EPS, torch.zeros(7))
 
 
 def test_a_gate_of_another_shape_is_an_error():
