@@ -281,6 +281,27 @@ def _zero_tail(x: torch.Tensor, so: torch.Tensor) -> None:
         )  # fmt: skip
 
 
+def _zero_tails(xs, so: torch.Tensor) -> None:
+    """``_zero_tail`` of each of ``xs``; one launch where they are adjacent column ranges of
+    the rows of one buffer (the backward's dq, dk, dv written into the uvqk gradient)."""
+    spans = sorted(xs, key=lambda x: x.data_ptr())
+    first = spans[0]
+    width = sum(x.shape[1] * x.shape[2] for x in spans)
+    adjacent = all(
+        x.dtype == first.dtype
+        and x.shape[0] == first.shape[0]
+        and x.stride(0) == first.stride(0)
+        and x.stride(1) == x.shape[2]
+        and x.data_ptr() == y.data_ptr() + y.shape[1] * y.shape[2] * y.element_size()
+        for y, x in zip(spans, spans[1:])
+    ) and first.stride(1) == first.shape[2] and width <= first.stride(0)
+    if not adjacent:
+        for x in xs:
+            _zero_tail(x, so)
+        return
+    _zero_tail(first.as_strided((first.shape[0], 1, width), (first.stride(0), width, 1)), so)
+
+
 def _outputs(like, out: torch.Tensor | None) -> torch.Tensor:
     """``out`` (a caller's buffer, e.g. columns of a wider one) checked against ``like``'s
     shape and dtype, or a new contiguous tensor; its rows are all written by the kernels and
@@ -429,8 +450,7 @@ def _bwd_impl(
                         TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
                     )  # fmt: skip
-            for x in (dk, dv) if fused else (dq, dk, dv):
-                _zero_tail(x, so)
+            _zero_tails((dk, dv) if fused else (dq, dk, dv), so)
     else:
         for x in (dq, dk, dv):
             x.zero_()

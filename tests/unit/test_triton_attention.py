@@ -775,6 +775,33 @@ def test_kernel_schedule_matches_the_reference(mode, key_major):
         np.testing.assert_array_equal(table.cpu().numpy(), want)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_adjacent_gradients_zero_their_padding_in_one_launch(mode, monkeypatch):
+    """The backward's dq, dk, dv written as adjacent columns of the uvqk gradient (v, q, k of
+    `[u, v, q, k]`) get their capacity padding zeroed by one launch over their columns; the u
+    columns and the real rows stay as they were. Tensors that are not adjacent: one each."""
+    dev = _device(mode)
+    T, H, D, end = 40, 2, 8, 29
+    grad = torch.ones(T, 4 * H * D, device=dev, dtype=torch.bfloat16)
+    u, v, q, k = (grad[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    so = torch.tensor([0, 11, end], device=dev)
+    calls = []
+    real = _launch._zero_tail
+    monkeypatch.setattr(_launch, "_zero_tail", lambda x, so: calls.append(x.shape) or real(x, so))
+    _launch._zero_tails((q, k, v), so)
+    assert calls == [(T, 1, 3 * H * D)]
+    assert bool((grad[end:, H * D :] == 0).all()) and bool((grad[:end] == 1).all())
+    assert bool((u == 1).all())
+    calls.clear()
+    grad.fill_(1)
+    _launch._zero_tails((u, q), so)  # v between them
+    assert calls == [(T, H, D)] * 2
+    assert bool((grad[end:, : H * D] == 0).all()) and bool(
+        (grad[end:, 2 * H * D : 3 * H * D] == 0).all()
+    )
+    assert bool((grad[end:, H * D : 2 * H * D] == 1).all()) and bool((grad[:end] == 1).all())
+
+
 def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
     """`python -m hstu_kernels.triton.resources` compiles the kernels (forward, the split
     backward's two and the fused backward's one) for sm_90a on a machine without that GPU (its
