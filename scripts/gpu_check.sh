@@ -9,7 +9,8 @@
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
-#                                               multi e2e2 scale (>= 2 GPUs; not in the default)
+#                                               multi e2e2 scale (>= 2 GPUs; not in the default;
+#                                               e2e2 at E2E_WORLD GPUs, default 2)
 #                                               (default: env kernels bench train parity)
 #
 # The GPU image has torch, triton, jax, flax, optax and orbax but no TorchRec/fbgemm: install
@@ -379,23 +380,27 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done ;;
     e2e2)
-      # W=2 (>= 2 GPUs): identity vs balanced, allgather vs all2all ($E2E2_EXCHANGES), in
-      # $E2E2_REPEATS alternating rounds, with the W=2 simulation on the same batches; then (E2E2_FIXED=1, the default) fixed-length data,
-      # where there is nothing to balance
+      # W=$E2E_WORLD (default 2; as many GPUs): identity vs balanced, allgather vs all2all
+      # ($E2E2_EXCHANGES), in $E2E2_REPEATS alternating rounds, with the W-rank simulation on the
+      # same batches; then (E2E2_FIXED=1, the default) fixed-length data, where there is nothing
+      # to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
       # (E2E2_MAIN=0: the fixed-length runs alone; E2E2_PROBE_EVERY: steps between probes;
+      #  E2E2_STEPS: steps per run; E2E2_SIM_BATCHES: global batches the simulation times;
       #  E2E2_ARGS: overrides for both, e.g. "embedding.sharding=data_parallel embedding.optimizer=adam")
+      w=${E2E_WORLD:-2}
       x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
-      [ "${E2E2_MAIN:-1}" = 1 ] && run e2e_w2 python -m hstu.cli bench e2e --config bench_upstream --steps 40 \
-        --backends $E2E_BACKENDS --exchanges $x --probe-every ${E2E2_PROBE_EVERY:-15} --breakdown \
-        --repeats ${E2E2_REPEATS:-1} --simulate-ranks 2 --sim-batches 6 --out /tmp/e2e_w2 \
-        dist.world_size=2 ${E2E2_ARGS:-} \
-        && cp /tmp/e2e_w2/e2e.json "$OUT/e2e_w2.json" && cp /tmp/e2e_w2/e2e.png "$OUT/e2e_w2.png"
-      [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w2_fixed python -m hstu.cli bench e2e --config bench_upstream --steps 30 \
-        --backends $E2E_BACKENDS --exchanges allgather --probe-every 0 \
-        --out /tmp/e2e_w2_fixed dist.world_size=2 \
+      [ "${E2E2_MAIN:-1}" = 1 ] && run e2e_w$w python -m hstu.cli bench e2e --config bench_upstream \
+        --steps ${E2E2_STEPS:-40} --backends $E2E_BACKENDS --exchanges $x \
+        --probe-every ${E2E2_PROBE_EVERY:-15} --breakdown --repeats ${E2E2_REPEATS:-1} \
+        --simulate-ranks $w --sim-batches ${E2E2_SIM_BATCHES:-6} --out /tmp/e2e_w$w \
+        dist.world_size=$w ${E2E2_ARGS:-} \
+        && cp /tmp/e2e_w$w/e2e.json "$OUT/e2e_w$w.json" && cp /tmp/e2e_w$w/e2e.png "$OUT/e2e_w$w.png"
+      [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w${w}_fixed python -m hstu.cli bench e2e \
+        --config bench_upstream --steps 30 --backends $E2E_BACKENDS --exchanges allgather \
+        --probe-every 0 --out /tmp/e2e_w${w}_fixed dist.world_size=$w \
         data.batch_size=8 data.seqlen_dist=fixed "data.seqlen_params={}" ${E2E2_ARGS:-} \
-        && cp /tmp/e2e_w2_fixed/e2e.json "$OUT/e2e_w2_fixed.json" ;;
+        && cp /tmp/e2e_w${w}_fixed/e2e.json "$OUT/e2e_w${w}_fixed.json" ;;
     multi)
       # needs >= 2 GPUs (nvidia-h200-x2): NCCL exchange / training tests, then the balanced
       # shuffler against identity on the Zipf recipe, both backends, 2 ranks
