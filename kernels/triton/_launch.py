@@ -287,14 +287,18 @@ def _zero_tails(xs, so: torch.Tensor) -> None:
     spans = sorted(xs, key=lambda x: x.data_ptr())
     first = spans[0]
     width = sum(x.shape[1] * x.shape[2] for x in spans)
-    adjacent = all(
-        x.dtype == first.dtype
-        and x.shape[0] == first.shape[0]
-        and x.stride(0) == first.stride(0)
-        and x.stride(1) == x.shape[2]
-        and x.data_ptr() == y.data_ptr() + y.shape[1] * y.shape[2] * y.element_size()
-        for y, x in zip(spans, spans[1:])
-    ) and first.stride(1) == first.shape[2] and width <= first.stride(0)
+    adjacent = (
+        all(
+            x.dtype == first.dtype
+            and x.shape[0] == first.shape[0]
+            and x.stride(0) == first.stride(0)
+            and x.stride(1) == x.shape[2]
+            and x.data_ptr() == y.data_ptr() + y.shape[1] * y.shape[2] * y.element_size()
+            for y, x in zip(spans, spans[1:])
+        )
+        and first.stride(1) == first.shape[2]
+        and width <= first.stride(0)
+    )
     if not adjacent:
         for x in xs:
             _zero_tail(x, so)
