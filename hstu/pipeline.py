@@ -232,6 +232,26 @@ def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
     }
 
 
+def padded_tokens(backend: Backend, prepared: Prepared, shared: int | None) -> dict[str, Any]:
+    """`token_capacity` (the largest rank's token buffer) and `padding_waste` (tokens computed
+    beyond the real ones, over the real ones) of one step.
+
+    A backend that reports one capacity (`shared`: JAX, whose single program every rank runs)
+    pads every rank to it; one with `capacity_of` (torch with CUDA graphs) pads each rank's
+    own tokens to that rank's capacity; any other computes exactly its real tokens.
+    """
+    stats, plan = prepared.stats, prepared.plan
+    per_rank = stats[:, STAT_TOKENS][plan.indices].sum(axis=1)
+    real = int(per_rank.sum())
+    if shared is not None:
+        capacity, padded = int(shared), int(shared) * len(per_rank)
+    else:
+        capacity_of = getattr(backend, "capacity_of", None) or (lambda n: n)
+        buffers = [int(capacity_of(int(n))) for n in per_rank]
+        capacity, padded = max(buffers, default=0), sum(buffers)
+    return {"token_capacity": capacity, "padding_waste": padded / real - 1 if real else 0.0}
+
+
 def imbalance_of(per_rank: np.ndarray) -> float:
     return imbalance(per_rank, [np.array([i]) for i in range(len(per_rank))])
 
@@ -425,13 +445,9 @@ def run(
         host_s, blocked_dispatch_s = laps
         step, w = metrics["step"], backend.world_size
         metrics |= step_metrics(prepared, w)
-        # a static-shape backend pads the largest rank's tokens to its capacity (JAX reports
-        # the capacity it placed; torch with CUDA graphs maps the count through its policy)
-        capacity_of = getattr(backend, "capacity_of", None) or (lambda n: n)
-        metrics.setdefault("token_capacity", capacity_of(metrics["tokens_max_after"]))
+        metrics |= padded_tokens(backend, prepared, metrics.get("token_capacity"))
         metrics.setdefault("num_compiles", 0)
         elapsed, tokens = sum(host_s.values()), metrics["global_tokens"]
-        metrics["padding_waste"] = w * metrics["token_capacity"] / tokens - 1 if tokens else 0.0
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = tokens / elapsed if elapsed else 0.0
         metrics["tflops_per_device"] = (

@@ -81,11 +81,11 @@ def test_schedule_order_and_metrics(demo_cfg, shuffler):
         assert r["imbalance_after"] <= r["imbalance_before"] + 1e-12
         for key in ("global_tokens", "step_time_s", "tokens_per_s", "imbalance_before"):
             assert key in r
-        # no padded buffer reported (a dynamic-shape backend): capacity = the busiest rank
+        # no padded buffer (a dynamic-shape backend): capacity = the busiest rank, no padding
         assert r["token_capacity"] == r["tokens_max_after"] <= r["tokens_max_before"] or (
             shuffler == "identity" and r["tokens_max_after"] == r["tokens_max_before"]
         )
-        assert r["padding_waste"] == pytest.approx(4 * r["token_capacity"] / r["global_tokens"] - 1)
+        assert r["padding_waste"] == 0.0
         assert r["num_compiles"] == 0
     if shuffler == "identity":
         assert all(r["imbalance_after"] == r["imbalance_before"] for r in rows)
@@ -93,6 +93,45 @@ def test_schedule_order_and_metrics(demo_cfg, shuffler):
         assert np.median([r["imbalance_after"] for r in rows]) < np.median(
             [r["imbalance_before"] for r in rows]
         )
+
+
+class PerRankCapacityBackend(NumpyBackend):
+    """Pads each rank's tokens to its own buffer, a multiple of 64 (torch's graphs)."""
+
+    def __init__(self, world_size):
+        super().__init__(world_size)
+        self.asked = []
+
+    def capacity_of(self, num_tokens):
+        self.asked.append(num_tokens)
+        return -(-num_tokens // 64) * 64
+
+
+class SharedCapacityBackend(NumpyBackend):
+    """Pads every rank to one reported capacity (JAX's single program)."""
+
+    def optimizer_step(self, handle):
+        return {"loss": float(handle), "token_capacity": 4096}
+
+
+def test_padding_counts_each_ranks_own_buffer_or_the_shared_one(demo_cfg):
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    own = PerRankCapacityBackend(4)
+    rows = pipeline.run(own, batches_of(demo_cfg, 4), 3, cost, "ranking", shuffler="identity")
+    assert len(own.asked) == 4 * len(rows)  # each rank's tokens, once per step
+    for i, r in enumerate(rows):
+        ranks = own.asked[4 * i : 4 * i + 4]
+        assert sum(ranks) == r["global_tokens"] and max(ranks) == r["tokens_max_after"]
+        padded = sum(-(-n // 64) * 64 for n in ranks)
+        assert r["padding_waste"] == pytest.approx(padded / r["global_tokens"] - 1)
+        assert r["token_capacity"] == -(-max(ranks) // 64) * 64
+        # the ranks differ, so one buffer for all would have counted more padding
+        assert r["padding_waste"] < 4 * r["token_capacity"] / r["global_tokens"] - 1
+    shared = SharedCapacityBackend(4)
+    rows = pipeline.run(shared, batches_of(demo_cfg, 4), 2, cost, "ranking", shuffler="identity")
+    for r in rows:
+        assert r["token_capacity"] == 4096
+        assert r["padding_waste"] == pytest.approx(4 * 4096 / r["global_tokens"] - 1)
 
 
 def test_balanced_run_trains_on_the_same_samples(demo_cfg):
