@@ -53,8 +53,9 @@ def test_early_stopping_ends_every_rank_after_the_same_step(prepared_data, tmp_p
     ]
 
 
-# jax: ~26 s on 2 cores, in the slow tier (CI runs it after `make test`)
-@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+# 13 (torch) to 26 s (jax) on 2 cores: in the slow tier (CI runs it after `make test`)
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_sharded_tables_are_gathered_for_evaluation(backend, prepared_data, tmp_path):
     """row_wise tables (each rank holds half the rows: TorchRec DMP / rows over the devices)
     evaluate like data_parallel ones (every rank holds them whole): the same update, so the

@@ -26,6 +26,7 @@ from hstu.metrics import STEP_FIELDS  # noqa: E402
 CONTRACT = STEP_FIELDS
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_identity_and_balanced_agree_on_loss_and_gradients():
     out = run_worker(
@@ -71,6 +72,7 @@ def test_save_kill_resume_continues_the_loss_curve(tmp_path):
     assert ckpts == ["step-3", "step-6"]  # keep-latest-2
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_cli_end_to_end(tmp_path):
     argv = [
@@ -111,6 +113,7 @@ def test_cli_end_to_end(tmp_path):
     assert "imbalance before shuffle" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_library_example_runs():
     proc = subprocess.run(

@@ -96,6 +96,7 @@ def test_the_all2all_exchange_does_not_change_the_curve(demo_runs, backend):
         assert a["rank_workloads_after"] == b["rank_workloads_after"]  # the same plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_rank_with_the_whole_global_batch_reproduces_the_golden_curve(
     tmp_path, golden, backend

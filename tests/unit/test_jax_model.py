@@ -339,6 +339,7 @@ def test_a_mismatching_loss_token_count_raises():
     assert int(backend.state.step) == 0  # nothing dispatched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
 def test_item_table_gradient_from_its_rows_trains_as_the_dense_one(task):
     """The one-device step's item-table gradient built from the rows the batch reads

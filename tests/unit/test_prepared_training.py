@@ -74,6 +74,7 @@ def test_retrieval_trains_and_beats_the_baselines(backend, retrieval_runs):
     assert lines[-2]["full/hr@10"] > lines[0]["full/hr@10"]  # validation improves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", PARAMS)
 def test_ranking_trains_and_beats_the_baselines(backend, prepared_data, tmp_path):
     out = tmp_path / "run"

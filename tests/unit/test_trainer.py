@@ -47,6 +47,7 @@ def _steps(out) -> list[int]:
     return [r["step"] for r in read_rows(out / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", PARAMS)
 def test_checkpoints_resume_and_metrics_file_behave_alike(backend, tmp_path, capsys):
     out = tmp_path / "run"
