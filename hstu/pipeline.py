@@ -211,15 +211,34 @@ class Balancer:
             self._pool.shutdown(wait=True)
 
 
-def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
-    """Balance and token figures of one step, from the gathered stats and the plan."""
+def step_metrics(
+    prepared: Prepared,
+    world_size: int,
+    capacity_of: Callable[[int], int] | None = None,
+    shared_capacity: int | None = None,
+) -> dict[str, Any]:
+    """Balance, token and padding figures of one step, from the gathered stats and the plan.
+
+    `token_capacity` is the largest rank's token buffer and `padding_waste` the tokens
+    computed beyond the real ones, over the real ones: a backend that reports one capacity
+    (`shared_capacity`: JAX, whose single program every rank runs) pads every rank to it; one
+    with `capacity_of` (torch with CUDA graphs) pads each rank's own tokens to that rank's
+    capacity; any other computes exactly its real tokens.
+    """
     stats, plan = prepared.stats, prepared.plan
     w = stats[:, STAT_WORKLOAD].astype(np.float64)
     tokens = stats[:, STAT_TOKENS]
     before = w.reshape(world_size, -1).sum(axis=1)
     after = w[plan.indices].sum(axis=1)
+    tokens_after = tokens[plan.indices].sum(axis=1)
+    real = int(tokens.sum())
+    if shared_capacity is not None:
+        capacity, padded = int(shared_capacity), int(shared_capacity) * len(tokens_after)
+    else:
+        buffers = [int((capacity_of or int)(int(n))) for n in tokens_after]
+        capacity, padded = max(buffers, default=0), sum(buffers)
     return {
-        "global_tokens": int(tokens.sum()),
+        "global_tokens": real,
         "global_loss_tokens": int(stats[:, STAT_LOSS_TOKENS].sum()),
         "global_samples": int(stats[:, STAT_REAL].sum()),
         "global_flops": float(w.sum()),
@@ -228,28 +247,10 @@ def step_metrics(prepared: Prepared, world_size: int) -> dict[str, Any]:
         "imbalance_before": imbalance_of(before),
         "imbalance_after": imbalance_of(after),
         "tokens_max_before": int(tokens.reshape(world_size, -1).sum(axis=1).max(initial=0)),
-        "tokens_max_after": int(tokens[plan.indices].sum(axis=1).max(initial=0)),
+        "tokens_max_after": int(tokens_after.max(initial=0)),
+        "token_capacity": capacity,
+        "padding_waste": padded / real - 1 if real else 0.0,
     }
-
-
-def padded_tokens(backend: Backend, prepared: Prepared, shared: int | None) -> dict[str, Any]:
-    """`token_capacity` (the largest rank's token buffer) and `padding_waste` (tokens computed
-    beyond the real ones, over the real ones) of one step.
-
-    A backend that reports one capacity (`shared`: JAX, whose single program every rank runs)
-    pads every rank to it; one with `capacity_of` (torch with CUDA graphs) pads each rank's
-    own tokens to that rank's capacity; any other computes exactly its real tokens.
-    """
-    stats, plan = prepared.stats, prepared.plan
-    per_rank = stats[:, STAT_TOKENS][plan.indices].sum(axis=1)
-    real = int(per_rank.sum())
-    if shared is not None:
-        capacity, padded = int(shared), int(shared) * len(per_rank)
-    else:
-        capacity_of = getattr(backend, "capacity_of", None) or (lambda n: n)
-        buffers = [int(capacity_of(int(n))) for n in per_rank]
-        capacity, padded = max(buffers, default=0), sum(buffers)
-    return {"token_capacity": capacity, "padding_waste": padded / real - 1 if real else 0.0}
 
 
 def imbalance_of(per_rank: np.ndarray) -> float:
@@ -444,8 +445,8 @@ def run(
         its metrics arrived (in steady state, one step period)."""
         host_s, blocked_dispatch_s = laps
         step, w = metrics["step"], backend.world_size
-        metrics |= step_metrics(prepared, w)
-        metrics |= padded_tokens(backend, prepared, metrics.get("token_capacity"))
+        capacity_of = getattr(backend, "capacity_of", None)
+        metrics |= step_metrics(prepared, w, capacity_of, metrics.get("token_capacity"))
         metrics.setdefault("num_compiles", 0)
         elapsed, tokens = sum(host_s.values()), metrics["global_tokens"]
         metrics["step_time_s"] = elapsed
