@@ -135,8 +135,12 @@ class Backend(Protocol):
         `stats` are the gathered stats of this very batch: every buffer size of the exchange
         follows from them, so no size-exchanging collective is needed."""
 
-    def forward_backward(self, device_batch: Any, global_loss_tokens: int) -> Any:
-        """Dispatch forward + backward (+ gradient reduction); returns a handle."""
+    def forward_backward(
+        self, device_batch: Any, global_loss_tokens: int, stats: np.ndarray
+    ) -> Any:
+        """Dispatch forward + backward (+ gradient reduction); returns a handle. `stats`: this
+        batch's gathered stats, the host's knowledge of every rank's batch (torch bounds the
+        table rows its gradient reduction carries by them, without asking the device)."""
 
     def optimizer_step(self, handle: Any) -> Any:
         """Dispatch the update; return the step's metrics as a handle, without waiting for
@@ -482,7 +486,7 @@ def run(
             following = start() if i + 1 < num_steps else None
             loss_tokens_ = int(current.stats[:, STAT_LOSS_TOKENS].sum())
             with annotate("hstu.forward_backward"):
-                handle = backend.forward_backward(current.device_batch, loss_tokens_)
+                handle = backend.forward_backward(current.device_batch, loss_tokens_, current.stats)
             clock.lap("dispatch")
             following = finish(following) if following is not None else None
             with annotate("hstu.optimizer_step"):

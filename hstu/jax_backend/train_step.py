@@ -281,9 +281,10 @@ class JaxBackend:
     def exchange(self, placed: Placed, plan, stats: np.ndarray) -> Placed:
         return self.shuffler.exchange(placed, plan, stats)
 
-    def forward_backward(self, placed: Placed, global_loss_tokens: int):
+    def forward_backward(self, placed: Placed, global_loss_tokens: int, stats=None):
         """Dispatches forward, backward, gradient psum *and* the AdamW update (one program,
-        async): the pipeline's exchange of the next batch queues behind it.
+        async): the pipeline's exchange of the next batch queues behind it. (`stats`: not
+        read; the placed batch carries every size this program needs.)
 
         The loss-token count goes in as the replicated device scalar placed with the batch
         (`Placed.loss_tokens_device`): a host scalar would cost a transfer of its own per step.

@@ -13,9 +13,9 @@
   run on a process group of their own, so their order and the gradient buckets' order are
   each fixed on every rank whatever the other does (hstu/pipeline.py).
 * `ReplicatedTables` (`data_parallel`): the tables stay replicated parameters, their gradients
-  are all-reduced in the buckets with the dense ones, and `embedding.optimizer` updates the
-  rows some rank looked up (row-wise Adagrad: every row, which leaves the untouched ones
-  exactly as they are; Adam: where the ranks' marks of their lookups are set).
+  are all-reduced over the rows some rank looked up (`grad_sync.TouchedRowsReduce`), and
+  `embedding.optimizer` updates those rows (row-wise Adagrad: every row, which leaves the
+  untouched ones exactly as they are; Adam: where the ranks' marks of their lookups are set).
   TorchRec's own data_parallel sharding of an EmbeddingCollection pools the sequences on a
   CPU (a TBE dense-kernel limitation in 1.8), hence this implementation.
 
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hstu.errors import HSTUError
+from hstu.torch_backend.grad_sync import RowMarks
 
 TABLES = ("item", "action", "contextual")
 EMBEDDING_PREFIX = "embedding."
@@ -63,14 +64,24 @@ def embedding_features(model) -> list[str]:
     return [f for c in model.embedding.embedding_configs() for f in c.feature_names]
 
 
+def table_features(model) -> dict[str, list[str]]:
+    """Core table name -> the batch keys it is looked up at (docs/MODEL.md token table)."""
+    return {
+        EMBEDDING_PREFIX + c.name: list(c.feature_names)
+        for c in model.embedding.embedding_configs()
+    }
+
+
 class ReplicatedTables:
-    """`data_parallel`: replicated tables, all-reduced dense gradients, the touched-rows update.
+    """`data_parallel`: replicated tables, their gradients all-reduced (at W > 1 over the rows
+    some rank looked up), the touched-rows update.
 
     Row-wise Adagrad runs on every row from the dense gradient: a row no rank touched has a
     zero gradient, which it leaves exactly unchanged. Adam would move such a row (its moments
     decay), so it takes the touched rows `T` explicitly: each rank marks the ids it looks up
-    (`mark`, before its forward), the marks are combined over the ranks (one MAX all-reduce
-    of a float per row, in `step`) and the update applies where they are set."""
+    (`row_marks.mark`, before its forward), the marks are combined over the ranks (one MAX
+    all-reduce of a float per row, beside the forward) and the update applies where they are
+    set. At W > 1 the same marks bound the gradients' reduction (`TouchedRowsReduce`)."""
 
     kind = "replicated"
 
@@ -83,62 +94,61 @@ class ReplicatedTables:
         self.reduced_params = list(model.parameters())  # the bucket layout of sharding=none
         self.adam = self.cfg.optimizer == "adam"
         device = next(iter(self.tables.values())).device
+        self.features = table_features(model)
+        # the rows some rank looks up: Adam updates them, and at W > 1 the gradients are
+        # reduced over them (grad_sync.TouchedRowsReduce); one all-reduce per step
+        self.row_marks = (
+            RowMarks(self.tables, self.features, world_size, group)
+            if self.adam or world_size > 1
+            else None
+        )
         if self.adam:
             self.state = {
                 n: {"m": torch.zeros_like(p), "v": torch.zeros_like(p)}
                 for n, p in self.tables.items()
             }
-            # one row mark per table, concatenated: one all-reduce per step
-            sizes = [p.shape[0] for p in self.tables.values()]
-            self._marks = torch.zeros(sum(sizes), device=device)
-            self.marks = dict(zip(self.tables, self._marks.split(sizes), strict=True))
         else:
             self.state = {n: {"sum": torch.zeros(p.shape[0], device=p.device)}
                           for n, p in self.tables.items()}  # fmt: skip
         # the update's t on the device (Adam's bias correction; a step graph advances it too)
         self.t = torch.zeros((), dtype=torch.float32, device=device)
         self.count = 0
-        # table name -> the batch keys it is looked up at (docs/MODEL.md token table)
-        self.features = {
-            EMBEDDING_PREFIX + c.name: list(c.feature_names)
-            for c in model.embedding.embedding_configs()
-        }
-
-    def mark(self, tb) -> None:
-        """Adam: the rows this rank's batch looks up (every value of the table's keys)."""
-        if not self.adam:
-            return
-        values, keys = tb.kjt.values(), tb.keys
-        bounds = tb.kjt.offset_per_key()
-        for name, features in self.features.items():
-            for f in features:
-                if f in keys:
-                    i = keys.index(f)
-                    self.marks[name].index_fill_(0, values[bounds[i] : bounds[i + 1]], 1.0)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, compact: dict | None = None) -> None:
+        """The update. `compact`: table -> (rows, their gradient) where the step's reduction
+        carried part of a table (`TouchedRowsReduce.compact`, W > 1): Adam then reads and writes
+        those rows only (every marked row is among them; the others are left as they are),
+        the same arithmetic on the same values as the dense masked pass, which streams the
+        whole table, both moments and the gradient through a dozen elementwise kernels."""
         from hstu_kernels.triton.adamw_rows import adamw_masked_
 
         e = self.cfg
+        compact = compact or {}
         self.count += 1
         self.t.add_(1)
-        if self.adam and self.world_size > 1:
-            dist.all_reduce(self._marks, op=dist.ReduceOp.MAX, group=self.group)
+        if self.adam:
+            self.row_marks.wait()  # launched when the step's batch was marked
         for name, p in self.tables.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             st = self.state[name]
+            hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps,
+                         weight_decay=e.weight_decay)  # fmt: skip
+            if self.adam and name in compact:
+                rows, g_rows = compact[name]  # distinct rows: the writes back are exact
+                state = [x.index_select(0, rows) for x in (p, st["m"], st["v"])]
+                touched = self.row_marks.rows[name].index_select(0, rows) > 0
+                adamw_masked_(*state, g_rows, touched, self.t, **hyper)
+                for x, new in zip((p, st["m"], st["v"]), state, strict=True):
+                    x.index_copy_(0, rows, new)
+                continue
             if self.adam:
-                adamw_masked_(
-                    p, st["m"], st["v"], g, self.marks[name] > 0, self.t, lr=e.lr,
-                    beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay,
-                )  # fmt: skip
+                adamw_masked_(p, st["m"], st["v"], g, self.row_marks.rows[name] > 0, self.t,
+                              **hyper)  # fmt: skip
                 continue
             s = st["sum"]
             s.add_((g * g).mean(dim=1))
             p.sub_(g * (e.lr / (s.sqrt() + e.eps))[:, None])
-        if self.adam:
-            self._marks.zero_()
 
     def stepped(self) -> None:
         """A step graph applied the update (step_graphs.py): count it."""

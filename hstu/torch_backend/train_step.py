@@ -6,8 +6,9 @@
 Data parallelism is applied here, in this order: every rank holds the full model (replicated,
 same init); the shuffle moves samples between ranks (shuffler.py); the loss of each rank is its
 sum over targets divided by the *global* target count; gradients are all-reduced (SUM) in
-fixed buckets overlapped with the backward pass (grad_sync.py), the loss and metric sums in one
-small reduction after it, so every rank applies the same AdamW update.
+fixed buckets overlapped with the backward pass (grad_sync.py), the replicated tables' over the
+rows some rank looked up (bounded on the host from the gathered stats), the loss and metric
+sums in one small reduction after the backward, so every rank applies the same AdamW update.
 
 With `embedding.sharding` != none the tables are then sharded (sharding.py, right after the
 replicated init): their all-to-alls run inside forward and backward, their optimizer is fused
@@ -29,13 +30,13 @@ from hstu.capacity import CapacityPolicy
 from hstu.data import source_from_config
 from hstu.errors import HSTUError
 from hstu.params import init_params
-from hstu.pipeline import STAT_LOSS_TOKENS
+from hstu.pipeline import STAT_LOSS_TOKENS, gathered_lengths
 from hstu.torch_backend import collectives
 from hstu.torch_backend.checkpoint import TrainCheckpointer
-from hstu.torch_backend.grad_sync import GradBuckets
+from hstu.torch_backend.grad_sync import GradBuckets, RowMarks, TouchedRowsReduce
 from hstu.torch_backend.graphs import GraphedStack, check_cuda_graphs
 from hstu.torch_backend.model import HSTUModel
-from hstu.torch_backend.sharding import shard_tables
+from hstu.torch_backend.sharding import EMBEDDING_PREFIX, shard_tables, table_features
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
 from hstu.torch_backend.state import make_optimizer, rank_seed
 from hstu.torch_backend.step_graphs import StepGraphs
@@ -80,7 +81,20 @@ class TorchBackend(TorchShuffler):
             self.reduced = {
                 n: p for n, p in self.model.named_core_parameters().items() if id(p) in ids
             }
-        self.buckets = GradBuckets(self.params, world_size, group)
+        # Tables with dense gradients (sharding none / data_parallel): the rows each step looks
+        # up are marked (Adam's update, and at W > 1 the rows their gradients are reduced over)
+        replicated = self.tables is None or self.tables.kind == "replicated"
+        self.row_marks = self.tables.row_marks if replicated and self.tables is not None else None
+        self.row_reduce = None
+        bucketed = self.params
+        if world_size > 1 and replicated:
+            tables = {n: p for n, p in self.reduced.items() if n.startswith(EMBEDDING_PREFIX)}
+            if self.row_marks is None:
+                self.row_marks = RowMarks(tables, table_features(self.model), world_size, group)
+            self.row_reduce = TouchedRowsReduce(tables, self.row_marks, group)
+            ids = {id(p) for p in tables.values()}
+            bucketed = [p for p in self.params if id(p) not in ids]
+        self.buckets = GradBuckets(bucketed, world_size, group)
         self._eval_model: HSTUModel | None = None  # fused tables: rank 0's evaluation copy
         self._metric_slots: list[torch.Tensor | None] = [None] * METRIC_SLOTS
         self._metric_next = 0
@@ -128,7 +142,9 @@ class TorchBackend(TorchShuffler):
             event.record()
             marks.append(event)
 
-    def forward_backward(self, device_batch, global_loss_tokens: int) -> dict:
+    def forward_backward(
+        self, device_batch, global_loss_tokens: int, stats: np.ndarray | None = None
+    ) -> dict:
         batch = self.ready(device_batch)
         if batch.actual_batch_size:  # an all-padding batch keeps its zero-length rows
             batch = batch.strip_padding()
@@ -150,9 +166,21 @@ class TorchBackend(TorchShuffler):
                     "updated": True,
                     "num_compiles": self._num_graphs(),
                 }
-        if self.tables is not None and self.tables.kind == "replicated":
-            self.tables.mark(batch)  # the rows Adam updates (sharding.py)
+        if self.row_marks is not None:
+            self.row_marks.mark(batch)  # the rows Adam updates and W > 1 reduces
         self.buckets.start()
+        more = None
+        if self.row_reduce is not None:
+            self.row_reduce.start()
+            # each table's lookups over the global batch bound the rows any rank marked
+            lookups = None
+            if stats is not None:
+                lengths = gathered_lengths(stats, batch.keys)
+                lookups = self.row_marks.lookups({k: int(v.sum()) for k, v in lengths.items()})
+
+            def more():
+                return self.row_reduce.reduce(lookups)
+
         loss, sums = self.model(batch, global_loss_tokens)
         self._mark(marks)
         if loss.requires_grad:
@@ -171,7 +199,7 @@ class TorchBackend(TorchShuffler):
         scalars = torch.cat(parts)
         if self.world_size > 1:
             dist.all_reduce(scalars, op=dist.ReduceOp.SUM, group=self.group, async_op=True).wait()
-        grad_norm = self.buckets.finish()
+        grad_norm = self.buckets.finish(more)
         self._mark(marks)
         return {
             "scalars": torch.cat([scalars, grad_norm.reshape(1)]),
@@ -201,7 +229,9 @@ class TorchBackend(TorchShuffler):
     def optimizer_step(self, handle: dict) -> dict:
         if not handle.get("updated"):  # a step graph has applied the update already
             self.optimizer.step()
-            if self.tables is not None:
+            if self.tables is not None and self.tables.kind == "replicated":
+                self.tables.step(self.row_reduce.compact if self.row_reduce else None)
+            elif self.tables is not None:
                 self.tables.step()
             self._mark(handle["marks"])
             self.optimizer.zero_grad(set_to_none=True)

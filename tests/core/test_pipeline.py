@@ -34,9 +34,14 @@ class NumpyBackend:
         self.calls.append("exchange")
         return exchange_reference(batches, plan)
 
-    def forward_backward(self, batches, global_loss_tokens):
+    def forward_backward(self, batches, global_loss_tokens, stats):
         self.calls.append("forward_backward")
         self.seen.append(batches)
+        # the stats handed over are this very step's: they count the tokens being stepped
+        assert int(stats[:, pipeline.STAT_TOKENS].sum()) == sum(
+            b.num_real_tokens() for b in batches
+        )
+        assert int(stats[:, pipeline.STAT_LOSS_TOKENS].sum()) == global_loss_tokens
         # a loss that depends on every real sample, normalised by the global target count
         local = [b.lengths["candidate"][: b.actual_batch_size].sum() for b in batches]
         return sum(local) / global_loss_tokens
@@ -315,9 +320,9 @@ class _TimedBackend(NumpyBackend):
         self._spin(self.exchange_s)
         return super().exchange(batches, plan, stats)
 
-    def forward_backward(self, batches, global_loss_tokens):
+    def forward_backward(self, batches, global_loss_tokens, stats):
         time.sleep(0.02) if self.behind else self._spin(0.02)
-        return super().forward_backward(batches, global_loss_tokens)
+        return super().forward_backward(batches, global_loss_tokens, stats)
 
 
 @pytest.mark.parametrize("behind", [True, False])

@@ -56,7 +56,9 @@ def _one_step_worker(rank: int, world: int, device: str) -> dict:
                 *balancer.phase1(device_batch, sample_stats(local, cost, task))
             )
             handle = backend.forward_backward(
-                prepared.device_batch, int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+                prepared.device_batch,
+                int(prepared.stats[:, STAT_LOSS_TOKENS].sum()),
+                prepared.stats,
             )
             grads = backend.grads()
             metrics = backend.fetch_metrics(backend.optimizer_step(handle))
@@ -107,6 +109,90 @@ def test_nccl_identity_and_balanced_give_same_loss_and_gradients():
     if world < 2:
         pytest.skip("needs 2 GPUs for NCCL ranks")
     _check_invariance(run_on_ranks(_one_step_worker, world, device="cuda"), world)
+
+
+def _table_rows_worker(rank: int, world: int, device: str) -> dict:
+    """One step of the same global batch, the tables' gradients reduced over the rows the
+    ranks looked up (the pipeline's stats bound them) and over the whole tables (no stats);
+    with the recipe's dense tables (AdamW) and with data_parallel ones (Adam on their touched
+    rows, which then reads the reduced rows only)."""
+    from hstu.pipeline import STAT_LOSS_TOKENS, Balancer, sample_stats
+    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.workload import HSTUCost
+
+    out = {}
+    for task, tables in (("ranking", "none"), ("retrieval", "none"), ("ranking", "adam")):
+        extra = ["embedding.sharding=data_parallel", "embedding.optimizer=adam"]
+        cfg = _cfg(task, *(extra if tables == "adam" else []))
+        batches = make_global_batch(cfg, cfg.data.batch_size, (8, 3, 0, 7)[:world])
+        cost = HSTUCost.from_model_config(cfg.model)
+        for bounded in (True, False):
+            backend = TorchBackend(cfg, rank, world, device)
+            balancer = Balancer(backend, "identity", overlap=False)
+            local = [batches[rank]]
+            prepared = balancer.phase2(
+                *balancer.phase1(backend.to_device(local), sample_stats(local, cost, task))
+            )
+            glt = int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+            stats = prepared.stats if bounded else None
+            handle = backend.forward_backward(prepared.device_batch, glt, stats)
+            grads = backend.grads()
+            metrics = backend.fetch_metrics(backend.optimizer_step(handle))
+            state = {}
+            if backend.tables is not None:  # the tables and Adam's moments after the update
+                weights, moments = backend.tables.checkpoint_state()
+                state = {n: x.cpu().numpy().copy() for n, x in {**weights, **moments}.items()}
+            out[(task, tables, bounded)] = {
+                "grads": grads,
+                "rows": dict(backend.row_reduce.last_rows),
+                "norm": metrics["grad_norm"],
+                "state": state,
+                "looked_up": sorted(
+                    {
+                        int(i)
+                        for b in batches
+                        for k in ("item", "candidate", "negative")
+                        if k in b.lengths
+                        for i in b.values[k]
+                    }
+                ),  # fmt: skip
+            }
+    return out
+
+
+@pytest.mark.multirank
+def test_table_gradients_reduced_over_the_looked_up_rows_equal_the_whole_reduction():
+    results = run_on_ranks(_table_rows_worker, WORLD)
+    num_items = _cfg("ranking").model.num_items
+    for task, tables in (("ranking", "none"), ("retrieval", "none"), ("ranking", "adam")):
+        rows = results[0][(task, tables, True)]
+        whole = results[0][(task, tables, False)]
+        # the item table's reduction carried part of the table; the small tables went whole
+        assert rows["rows"]["embedding.item"] < num_items, rows["rows"]
+        assert whole["rows"]["embedding.item"] == num_items
+        assert whole["rows"]["embedding.action"] == rows["rows"]["embedding.action"]
+        g = rows["grads"]["embedding.item"]
+        touched = np.flatnonzero(np.abs(g).sum(axis=1))
+        assert set(touched) <= set(rows["looked_up"]) and len(touched) > 0
+        for name, ref in whole["grads"].items():
+            np.testing.assert_allclose(
+                rows["grads"][name], ref, rtol=1e-6, atol=1e-7 * (np.abs(ref).max() or 1.0),
+                err_msg=f"{task} {tables} {name}",
+            )  # fmt: skip
+        assert rows["norm"] == pytest.approx(whole["norm"], rel=1e-6)
+        # Adam from the reduced rows against Adam over the dense gradient: the same update
+        assert set(rows["state"]) == set(whole["state"])
+        for name, ref in whole["state"].items():
+            np.testing.assert_allclose(
+                rows["state"][name], ref, rtol=1e-6, atol=1e-9, err_msg=f"{task} {name}"
+            )
+        for rank in range(1, WORLD):  # every rank holds the same sums
+            for name, ref in rows["grads"].items():
+                got = results[rank][(task, tables, True)]["grads"][name]
+                np.testing.assert_array_equal(got, ref)
+    # the data_parallel tables' Adam state exists and moved where rows were looked up
+    state = results[0][("ranking", "adam", True)]["state"]
+    assert state and np.abs(state["embedding.item.m"]).sum() > 0
 
 
 @pytest.mark.multirank
