@@ -121,7 +121,8 @@ print('torchrec', torchrec.__version__)" ;;
       # $AB_SHUFFLERS (default identity), each batch size of $AB_BATCHES, $AB_ROUNDS rounds;
       # $AB_TREES (several such trees, space-separated) in place of $AB_TREE: each in turn, then
       # this tree (logs tab_t<i>_b<B>_<round>, this tree as tab_after_...); $AB_ARGS: overrides
-      # for every tree
+      # for every tree (dist.world_size=4: that many GPUs); $AB_EXCHANGES: the balanced runs'
+      # exchanges; $AB_PROBE_EVERY: steps between probes (then the device breakdown too)
       read -r -a trees <<< "${AB_TREES:-${AB_TREE:-}}"
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
@@ -137,8 +138,9 @@ print('torchrec', torchrec.__version__)" ;;
             run "tab_${side}_b${b}_$round" env -C "$tree" \
               PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
               --config bench_upstream --backends $E2E_BACKENDS \
-              --shufflers ${AB_SHUFFLERS:-identity} --steps 30 \
-              --probe-every 0 --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
+              --shufflers ${AB_SHUFFLERS:-identity} --exchanges ${AB_EXCHANGES:-allgather,all2all} \
+              --steps 30 --probe-every ${AB_PROBE_EVERY:-0} $([ "${AB_PROBE_EVERY:-0}" = 0 ] || echo --breakdown) \
+              --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
         done
       done ;;
