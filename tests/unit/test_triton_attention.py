@@ -486,9 +486,17 @@ TABLE_GRAD_MODES = [
 ]
 
 
+# every position mode (1-3), time mode (0-2) and bucket kind at least once in `make test`; the
+# rest of the cross product (~6 s each in the interpreter) with the slow tier
+TABLE_GRAD_DEFAULT = {("all", (1, 1)), ("few", (2, 2)), ("all", (3, 0)), ("few", (3, 1))}
+
+
 @pytest.mark.parametrize(
     ("pos_buckets", "modes"),
-    TABLE_GRAD_MODES,
+    [
+        pytest.param(b, m, marks=() if (b, m) in TABLE_GRAD_DEFAULT else pytest.mark.slow)
+        for b, m in TABLE_GRAD_MODES
+    ],
     ids=[f"{b}-pos{p}-time{t}" for b, (p, t) in TABLE_GRAD_MODES],
 )
 @pytest.mark.parametrize("mode", MODES)
