@@ -222,9 +222,13 @@ class TouchedRowsReduce:
                 launched.append((g, g, None, self._all_reduce(g)))
                 continue
             marked = self.marks.rows[name]
-            # the bound holds by construction (every marked row is a looked-up value); the
-            # check costs no host sync
-            torch._assert_async(marked.sum() <= cap)
+            # the bound holds by construction (every marked row is a looked-up value) unless
+            # the stats are not this batch's; the check costs no host sync
+            torch._assert_async(
+                marked.sum() <= cap,
+                f"{name}: more rows looked up than the gathered stats allow ({cap}): the stats "
+                "handed to forward_backward are not this step's batch",
+            )
             rows = torch.argsort(marked, descending=True, stable=True)[:cap]
             part = g.index_select(0, rows)
             launched.append((g, part, rows, self._all_reduce(part)))

@@ -195,6 +195,41 @@ def test_table_gradients_reduced_over_the_looked_up_rows_equal_the_whole_reducti
     assert state and np.abs(state["embedding.item.m"]).sum() > 0
 
 
+def _understated_worker(rank: int, world: int, device: str) -> str:
+    """Stats that understate the step's lookups (another batch's): an error on every rank, at
+    the same point, before the tables' reduction."""
+    from hstu.pipeline import NUM_FIXED_STATS, STAT_LOSS_TOKENS, Balancer, sample_stats
+    from hstu.torch_backend import grad_sync
+    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.workload import HSTUCost
+
+    grad_sync.ROW_GRANULE = 8  # a bound this small is below the rows the batch marks
+    cfg = _cfg("ranking")
+    batches = make_global_batch(cfg, cfg.data.batch_size, (8, 3, 0, 7)[:world])
+    backend = TorchBackend(cfg, rank, world, device)
+    local = [batches[rank]]
+    cost = HSTUCost.from_model_config(cfg.model)
+    balancer = Balancer(backend, "identity", overlap=False)
+    prepared = balancer.phase2(
+        *balancer.phase1(backend.to_device(local), sample_stats(local, cost, "ranking"))
+    )
+    stats = prepared.stats.copy()
+    for key in ("item", "candidate"):
+        stats[:, NUM_FIXED_STATS + local[0].keys.index(key)] = 0
+    glt = int(stats[:, STAT_LOSS_TOKENS].sum())
+    try:
+        backend.forward_backward(prepared.device_batch, glt, stats)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_stats_that_understate_the_lookups_fail_on_every_rank():
+    for message in run_on_ranks(_understated_worker, 2):
+        assert "embedding.item: more rows looked up than the gathered stats allow" in message
+
+
 @pytest.mark.multirank
 def test_cli_trains_two_ranks_end_to_end(tmp_path, capsys):
     from hstu.cli import main
