@@ -368,8 +368,8 @@ print('torchrec', torchrec.__version__)" ;;
       done ;;
     host)
       # the torch step's host time by call, no profiler (scripts/host_time.py), per batch size
-      # ($HOST_BATCHES), overrides $HOST_ARGS; with $AB_TREE (as in tab) that tree first, each
-      # timed by this tree's script
+      # ($HOST_BATCHES), overrides $HOST_ARGS, $HOST_WORLD ranks (rank 0 timed; default 1);
+      # with $AB_TREE (as in tab) that tree first, each timed by this tree's script
       sides=after; [ -n "${AB_TREE:-}" ] && sides="before after"
       for b in ${HOST_BATCHES:-8 32}; do
         for side in $sides; do
@@ -378,7 +378,7 @@ print('torchrec', torchrec.__version__)" ;;
             && ln -sfn "$tree/configs" /tmp/hstu-path-$side/hstu_recipes
           run "host_${side}_b$b" env -C "$tree" PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree \
             python "$PWD/scripts/host_time.py" --config bench_upstream --steps 70 --skip 10 \
-            data.batch_size=$b ${HOST_ARGS:-}
+            --world ${HOST_WORLD:-1} data.batch_size=$b ${HOST_ARGS:-}
         done
       done ;;
     e2e2)

@@ -1,6 +1,7 @@
 """Where the torch step's host time goes, without a profiler: wall-clock wrappers on its parts.
 
-    python scripts/host_time.py --config bench_upstream [--steps 40] [--skip 10] [key=value ...]
+    python scripts/host_time.py --config bench_upstream [--steps 40] [--skip 10] [--world W]
+        [key=value ...]
 
 A profiler inflates every launch (the host of a batch-8 step took ~18 ms under torch.profiler
 against ~9 ms without), so the host timeline of `scripts/profile_step.py` cannot say what the
@@ -9,8 +10,10 @@ configured) runs with `time.perf_counter` wrappers on the functions named in `TA
 prints its median host time per step (calls nest: `forward_backward` holds `sequence`, the
 graphed stack and `backward`), next to the median step. Medians, since a step that captures
 a graph (one in a few, each new token capacity) takes a hundred times the host time. Without
-CUDA it runs on the CPU (gloo; pass train.cuda_graphs=false). Measurement aid for
-docs/BENCHMARKS.md.
+CUDA it runs on the CPU (gloo; pass train.cuda_graphs=false). `--world W`: W ranks, rank 0
+in this process (the one timed), the others spawned, one GPU each (or gloo processes on the
+CPU): the host's share of a data-parallel step, which at W > 1 runs outside the step graphs.
+Measurement aid for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ TARGETS = [
     ("torch", "Tensor.backward"),
     ("hstu.torch_backend.grad_sync", "GradBuckets.start"),
     ("hstu.torch_backend.grad_sync", "GradBuckets.finish"),
+    ("hstu.torch_backend.grad_sync", "RowMarks.mark"),
+    ("hstu.torch_backend.grad_sync", "TouchedRowsReduce.reduce"),
     ("hstu.torch_backend.train_step", "TorchBackend.optimizer_step"),
     ("torch.optim", "AdamW.step"),
     ("hstu.torch_backend.train_step", "TorchBackend.fetch_metrics"),
@@ -81,8 +86,35 @@ def install(timers: Timers) -> None:
         timers.wrap(owner, name, path)
 
 
-def main(argv=None):
+def _device_and_group(rank: int):
     import torch
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        return device, dict(backend="nccl", device_id=device)
+    return torch.device("cpu"), dict(backend="gloo")
+
+
+def _other_rank(rank: int, world: int, cfg, port: int) -> None:
+    """A rank that trains untimed beside rank 0 (a spawned process)."""
+    import torch.distributed as dist
+
+    from hstu.torch_backend.train_step import run_rank
+
+    device, group = _device_and_group(rank)
+    dist.init_process_group(
+        init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **group
+    )
+    try:
+        run_rank(cfg, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    import multiprocessing
+
     import torch.distributed as dist
 
     from hstu.config import load_config
@@ -99,13 +131,14 @@ def main(argv=None):
         help="sys.setswitchinterval (s) for the run: how long a thread holding the GIL keeps it "
         "while another waits (Python's default 0.005)",
     )
+    p.add_argument("--world", type=int, default=1, help="ranks; rank 0's calls are timed")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(
         args.config,
         [
             *args.overrides,
-            "dist.world_size=1",
+            f"dist.world_size={args.world}",
             f"train.steps={args.steps}",
             f"output_dir={tempfile.mkdtemp(prefix='hstu-host-')}",
         ],
@@ -123,19 +156,30 @@ def main(argv=None):
         timers.total.clear()
         timers.on = step + 1 >= args.skip
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        group = dict(backend="nccl", device_id=device)
-    else:
-        device, group = torch.device("cpu"), dict(backend="gloo")
-    dist.init_process_group(init_method="tcp://127.0.0.1:29534", rank=0, world_size=1, **group)
+    port, world = 29534, args.world
+    spawn = multiprocessing.get_context("spawn")
+    others = [
+        spawn.Process(target=_other_rank, args=(r, world, cfg, port)) for r in range(1, world)
+    ]
+    for proc in others:
+        proc.start()
+    device, group = _device_and_group(0)
+    dist.init_process_group(
+        init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, **group
+    )
     try:
-        run_rank(cfg, 0, 1, device, on_step=on_step)
+        run_rank(cfg, 0, world, device, on_step=on_step)
     finally:
         dist.destroy_process_group()
+        for proc in others:
+            proc.join(timeout=60)
+    if any(proc.exitcode != 0 for proc in others):
+        raise SystemExit(f"host_time: a rank failed: exit codes {[p.exitcode for p in others]}")
     n = max(len(counted), 1)
-    print(f"steps timed: {len(counted)}; median step {statistics.median(counted):.2f} ms")
+    print(
+        f"W={world}, rank 0: steps timed: {len(counted)}; "
+        f"median step {statistics.median(counted):.2f} ms"
+    )
     print(f"{'host call':40s} {'median ms':>10s} {'p90 ms':>8s} {'calls / step':>13s}")
     for _module, path in TARGETS:
         if timers.calls[path]:
