@@ -241,8 +241,9 @@ class TrainConfig:
     graph_scope: str = _opt(
         "auto",
         "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "
-        "graph per shape where one rank holds replicated tables (embedding.sharding=none, or "
-        "data_parallel with adam), else the HSTU stack; stack = the stack only",
+        "graph per shape where the ranks hold replicated tables (embedding.sharding=none, or "
+        "data_parallel with adam; at W > 1 the collectives and the update follow the graph), "
+        "else the HSTU stack; stack = the stack only",
     )
 
     def validate(self) -> None:

@@ -67,6 +67,8 @@ class GradBuckets:
         self._remaining: list[int] = []
         self._next = 0
         self._works: list = []
+        self._active = False  # between start and finish: the hooks launch (not in a backward
+        # of another owner, e.g. a step graph's, or the timing probes')
 
     def start(self) -> None:
         """Before backward: zeroed gradient views, nothing launched."""
@@ -80,9 +82,12 @@ class GradBuckets:
             p.grad = self.views[i]
         self._remaining = [len(m) for m in self.buckets]
         self._next, self._works = 0, []
+        self._active = True
 
     def _hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
+            if not self._active:
+                return
             view = self.views[i]
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 view.copy_(param.grad)  # autograd replaced the view instead of adding into it
@@ -118,6 +123,7 @@ class GradBuckets:
                     p.grad = self.views[i]
             return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         self._launch_ready(force=True)
+        self._active = False
         extra = more() if more is not None else []
         for work in self._works:
             work.wait()  # the current stream waits for the reduction; the host does not

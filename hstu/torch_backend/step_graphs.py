@@ -1,5 +1,6 @@
 """The whole torch training step as CUDA graphs (`train.cuda_graphs`, `train.graph_scope=auto`
-on one rank with replicated tables: `embedding.sharding=none`, or `data_parallel` with Adam).
+with replicated tables: `embedding.sharding=none`, or `data_parallel` with Adam; at W > 1 all
+but the collectives and the update, below).
 
 With the HSTU stack alone in graphs (graphs.py) the batch-8 step of `bench_upstream` was still
 bound by the host: ~7.5 ms per step of Python dispatch around the stack (the lookups and the
@@ -50,6 +51,21 @@ next replay on the same stream; the parameters, the optimizer state and the stat
 are allocated outside the pool. So a capture may reuse what another graph freed, and the
 gradients are not kept between steps (`.grad` is None after a replayed step).
 
+At W > 1 the graph holds what one rank computes alone, and the collectives run after its
+replay, eagerly (a collective's sizes must agree over the ranks, and balanced ranks replay
+graphs of different capacities). The graph writes into one static buffer: every gradient but
+the item table's (autograd accumulates into views of it), the loss and metric sums, and a
+float per table row this rank looked up. One SUM all-reduce of that buffer, then the item
+table's gradient reduced over the rows some rank looked up, as `grad_sync.TouchedRowsReduce`
+does for the eager step: `cap` rows, bounded on the host by the table's lookups over the global
+batch (the gathered stats), the marked rows first; each rank adds its rows' gradients into
+those positions (no `[V, D]` gradient is built) and they are all-reduced. The norm and the
+updates (fused AdamW, the table's kernels from the reduced rows) follow, eagerly. Which path a
+step takes is decided from the gathered stats, the same on every rank: a rank whose shape has
+no graph (past MAX_GRAPHS, no tokens) runs the same padded step uncaptured, so every rank
+issues the same collectives. With the stack's graphs alone, rank 0 of a balanced W=4 step
+dispatched for 11-15 ms against 15.3 ms of device work (docs/BENCHMARKS.md).
+
 The warm-up before a capture runs forward and backward on a side stream with the first batch
 of its shape (compiles the Triton kernels, the table update's without running them, sizes
 cuBLAS's workspace) and discards the gradients: it never updates the parameters. Without
@@ -64,16 +80,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hstu.capacity import CapacityPolicy
+from hstu.pipeline import gathered_lengths
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
 from hstu.torch_backend.layout import layout_arrays
 from hstu.torch_backend.model import TOP_K
+from hstu.torch_backend.sharding import EMBEDDING_PREFIX, table_features
 from hstu.torch_backend.staging import staging
 
 log = logging.getLogger(__name__)
+
+TOKEN_KEYS = ("contextual", "item", "action", "candidate")  # a sample's tokens, by key
 
 # the header of the static input: int64 scalars the graph reads
 HEADER = ("item_start", "action_start", "candidate_start", "tokens", "loss_rows", "loss_tokens")
@@ -179,10 +200,13 @@ class StepGraphs:
         warmup: int = 3,
         max_candidates: int | None = None,
         tables=None,
+        world_size: int = 1,
+        group=None,
     ):
         """`max_candidates`: a bound on a row's candidates (`data.max_candidates`; ranking).
         `tables`: `data_parallel` tables with Adam (sharding.ReplicatedTables), updated on
-        their touched rows from their state (module docstring); None: AdamW's."""
+        their touched rows from their state (module docstring); None: AdamW's.
+        `world_size` > 1: the collectives after each replay (module docstring), over `group`."""
         if tables is not None and not (tables.kind == "replicated" and tables.adam):
             raise ValueError("StepGraphs: only replicated tables with embedding.optimizer=adam")
         self.tables = tables
@@ -203,30 +227,65 @@ class StepGraphs:
         self.names = ["loss"] + (
             [] if self.task == "ranking" else [f"{m}@{TOP_K}" for m in ("hr", "ndcg")]
         )
+        self.world_size, self.group = world_size, group
+        if world_size > 1:
+            self._reduced_layout()
+
+    def _reduced_layout(self) -> None:
+        """W > 1: the static buffer one all-reduce sums after each replay, `[gradients of every
+        parameter but the item table | loss, metric sums, graphs | item table marks (+1 sink)
+        | contextual and action marks (+1 sink; data_parallel Adam only)]`."""
+        table = self.table
+        self.dense = [p for p in self.params if p is not table]
+        self.item_features = table_features(self.model)[EMBEDDING_PREFIX + "item"]
+        small = 0
+        if self.tables is not None:
+            tables = self.model.embedding.embeddings
+            small = tables["contextual"].weight.shape[0] + tables["action"].weight.shape[0] + 1
+        sizes = [p.numel() for p in self.dense]
+        sizes += [len(self.names) + 1, table.shape[0] + 1] + ([small] if small else [])
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=table.device)
+        parts = self.flat.split(sizes)
+        n = len(self.dense)
+        self.grad_views = [v.view_as(p) for v, p in zip(parts[:n], self.dense, strict=True)]
+        self.grad_flat = self.flat[: sum(sizes[:n])]
+        self.scalars, self.item_marks = parts[n], parts[n + 1]
+        self.small_marks = parts[n + 2] if small else None
 
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)
 
     # ------------------------------------------------------------------ per step
-    def step(self, tb: TorchBatch, global_loss_tokens: int) -> tuple[torch.Tensor, list] | None:
+    def step(
+        self,
+        tb: TorchBatch,
+        global_loss_tokens: int,
+        stats: np.ndarray | None = None,
+        other_graphs: int = 0,
+    ) -> tuple[torch.Tensor, list] | None:
         """Replay (capturing first if new) the step of `tb`: forward, backward, gradient norm
         and AdamW. Returns the step's scalars `[loss, metric sums..., grad_norm]` and their
-        names, or None when this batch must take the eager step (nothing done)."""
+        names, or None when this batch must take the eager step (nothing done).
+
+        W > 1: `stats`, the gathered stats of this step's global batch, decide for every rank
+        at once (None: the eager step); the scalars then hold `num_compiles`, the graphs of
+        every rank (this one's plus `other_graphs`, the stack's), summed."""
+        if self.world_size > 1:
+            if tb.host_lengths is None or stats is None:
+                self.eager_steps += 1
+                return None
+            lengths = gathered_lengths(stats, tb.keys)
+            per_sample = sum(v for k, v in lengths.items() if k in TOKEN_KEYS)
+            if int(per_sample.max(initial=0)) > self.max_seqlen:  # some rank's sample
+                self.eager_steps += 1
+                return None
+            lookups = sum(int(lengths[k].sum()) for k in self.item_features if k in lengths)
+            return self._step_reduced(tb, global_loss_tokens, lookups, other_graphs)
         if tb.host_lengths is None or tb.max_seqlen > self.max_seqlen:
             self.eager_steps += 1
             return None
-        keys = tb.keys
-        lengths = {k: tb.host_lengths[keys.index(k)] for k in ("contextual", "item", "candidate")}
-        tokens = int(sum(lengths[k].sum() for k in lengths) + lengths["item"].sum())
-        if self.task == "ranking":
-            real = int(lengths["candidate"].sum())
-        else:
-            real = int(np.maximum(lengths["item"] - 1, 0).sum())
-        rows = tb.batch_size
-        capacity = self.policy.capacity(max(tokens, 1))
-        lc = loss_rows_capacity(real, capacity, rows, self.task, self.max_candidates)
-        key = (capacity, rows, lc)
+        key, lengths, tokens = self._key(tb)
         if tokens == 0 or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
             self.eager_steps += 1
             return None
@@ -239,6 +298,41 @@ class StepGraphs:
             return self._run(static), self.names + ["grad_norm"]
         entry.graph.replay()  # a new graph too: its capture only recorded the step
         return entry.out, self.names + ["grad_norm"]
+
+    def _key(self, tb: TorchBatch) -> tuple[tuple[int, int, int], dict, int]:
+        """The graph's key `(token capacity, rows, loss rows)` of `tb`, its lengths by key and
+        its token count."""
+        keys = tb.keys
+        lengths = {k: tb.host_lengths[keys.index(k)] for k in ("contextual", "item", "candidate")}
+        tokens = int(sum(lengths[k].sum() for k in lengths) + lengths["item"].sum())
+        if self.task == "ranking":
+            real = int(lengths["candidate"].sum())
+        else:
+            real = int(np.maximum(lengths["item"] - 1, 0).sum())
+        capacity = self.policy.capacity(max(tokens, 1))
+        lc = loss_rows_capacity(real, capacity, tb.batch_size, self.task, self.max_candidates)
+        return (capacity, tb.batch_size, lc), lengths, tokens
+
+    def _step_reduced(self, tb: TorchBatch, glt: int, lookups: int, other_graphs: int):
+        """W > 1: this rank's graph (or, with no graph for its shape, the same padded step
+        uncaptured), then the collectives and the update (module docstring)."""
+        key, lengths, tokens = self._key(tb)
+        entry = self.graphs.get(key)
+        static = entry.static if entry is not None else self._static(*key)
+        self._fill(static, tb, lengths, glt)
+        if entry is None and tokens > 0 and len(self.graphs) < MAX_GRAPHS:
+            entry = self.graphs[key] = self._make(static)
+        if entry is not None and entry.graph is not None:
+            entry.graph.replay()
+            local = entry.out
+        else:
+            if entry is None:
+                self.eager_steps += 1
+                self._init_state()
+            local = self._run_local(static)
+        self.scalars[-1].fill_(float(other_graphs + self.num_graphs))
+        out = self._reduce_update(*local, lookups)
+        return out, self.names + ["num_compiles", "grad_norm"]
 
     def _static(self, capacity: int, rows: int, loss_rows: int) -> _Static:
         device = self.params[0].device
@@ -355,7 +449,11 @@ class StepGraphs:
         grads = [p.grad for p in self.params if p is not table]
         table_sq = self._update_table(ids, rows.grad)
         if self.tables is not None:
-            self._update_small_tables(small_ids)
+            ctx, act = (self.model.embedding.embeddings[k].weight for k in ("contextual", "action"))
+            sink = ctx.shape[0] + act.shape[0]  # one more row: where -1 marks
+            marks = torch.zeros(sink + 1, dtype=torch.bool, device=ctx.device)
+            marks.index_fill_(0, torch.where(small_ids >= 0, small_ids, sink), True)
+            self._update_small_tables(marks[:sink])
         norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + table_sq)
         self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
         parts = [loss.detach(), *sums.values(), norm]
@@ -364,6 +462,62 @@ class StepGraphs:
         for p in self.params:
             p.grad = None
         return out
+
+    def _run_local(self, s: _Static) -> tuple[torch.Tensor, torch.Tensor]:
+        """W > 1, what a graph captures: forward and backward into the static buffer (module
+        docstring); returns the item table's lookups and their rows' gradient."""
+        self.flat.zero_()
+        for p, view in zip(self.dense, self.grad_views, strict=True):
+            p.grad = view  # autograd adds into the buffer
+        loss, sums, (ids, rows, small_ids) = self.loss(s)
+        loss.backward()
+        for p, view in zip(self.dense, self.grad_views, strict=True):
+            if p.grad.data_ptr() != view.data_ptr():  # a host check, at capture: not replayed
+                raise RuntimeError(f"autograd replaced the gradient view of {tuple(p.shape)}")
+        sink = self.item_marks.numel() - 1
+        self.item_marks.index_fill_(0, torch.where(ids >= 0, ids, sink), 1.0)
+        if self.small_marks is not None:
+            sink = self.small_marks.numel() - 1
+            self.small_marks.index_fill_(0, torch.where(small_ids >= 0, small_ids, sink), 1.0)
+        local = torch.stack([loss.detach(), *sums.values()]).float()
+        self.scalars[: len(self.names)].copy_(local)
+        return ids, rows.grad
+
+    def _reduce_update(self, ids: torch.Tensor, grad_rows: torch.Tensor, lookups: int):
+        """W > 1, after the local step: the buffer's all-reduce, the item table's gradient
+        over the rows some rank looked up, the norm and the updates; `[loss, sums...,
+        num_compiles, grad_norm]`. `lookups`: the item table's lookups over the global batch."""
+        from hstu.torch_backend.grad_sync import ROW_GRANULE
+
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group)
+        for p, view in zip(self.dense, self.grad_views, strict=True):
+            p.grad = view  # the reduced gradients, for the updates below
+        table = self.table
+        num_rows, device = table.shape[0], table.device
+        cap = min(num_rows, -(-max(lookups, 1) // ROW_GRANULE) * ROW_GRANULE)
+        marks = self.item_marks[:num_rows]  # how many ranks looked each row up
+        torch._assert_async(
+            (marks > 0).sum() <= cap,
+            f"embedding.item: more rows looked up than the gathered stats allow ({cap}): the "
+            "stats handed to forward_backward are not this step's batch",
+        )
+        rows = torch.argsort(marks, descending=True, stable=True)[:cap]  # marked rows first
+        # each looked-up id's position among `rows` (the sink, `cap`, for -1)
+        where = torch.full((num_rows + 1,), cap, dtype=torch.int64, device=device)
+        where.index_copy_(0, rows, torch.arange(cap, device=device))
+        part = torch.zeros((cap + 1, table.shape[1]), dtype=grad_rows.dtype, device=device)
+        part.index_add_(0, where[torch.where(ids >= 0, ids, num_rows)], grad_rows)
+        part = part[:cap]
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group)
+        touched = torch.where(marks.index_select(0, rows) > 0, rows, -1)
+        table_sq = self._update_table(touched, part)
+        if self.small_marks is not None:
+            self._update_small_tables(self.small_marks[:-1] > 0)
+        norm = torch.sqrt(torch.linalg.vector_norm(self.grad_flat).square() + table_sq)
+        self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
+        for p in self.dense:
+            p.grad = None
+        return torch.cat([self.scalars, norm.reshape(1)])
 
     # ------------------------------------------------------------------ capture
     def _make(self, s: _Static) -> _Graph:
@@ -391,11 +545,12 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
             p.grad = None
-        for group in self.optimizer.param_groups:
-            group["capturable"] = True  # the step count stays on the device
+        if self.world_size == 1:  # AdamW in the graph (W > 1: after the collectives)
+            for group in self.optimizer.param_groups:
+                group["capturable"] = True  # the step count stays on the device
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._run(s)
+            out = self._run(s) if self.world_size == 1 else self._run_local(s)
         return _Graph(graph, s, out)
 
     def _update_table(self, ids: torch.Tensor, grad_rows: torch.Tensor, run: bool = True):
@@ -430,17 +585,15 @@ class StepGraphs:
                 weight_decay=group["weight_decay"],
             )  # fmt: skip
 
-    def _update_small_tables(self, small_ids: torch.Tensor) -> None:
+    def _update_small_tables(self, marks: torch.Tensor) -> None:
         """data_parallel Adam on the contextual and action tables (small: from their dense
-        gradients) where this step looked them up: `small_ids` index the two concatenated,
-        -1 where a position reads neither. After `_update_table` (which advanced t)."""
+        gradients) where the step looked them up: `marks` (bool) over the two concatenated
+        tables' rows. After `_update_table` (which advanced t)."""
         from hstu_kernels.triton.adamw_rows import adamw_masked_
 
         e, tables = self.tables.cfg, self.model.embedding.embeddings
         ctx, act = tables["contextual"].weight, tables["action"].weight
-        sink = ctx.shape[0] + act.shape[0]  # one more row: where -1 marks
-        marks = torch.zeros(sink + 1, dtype=torch.bool, device=ctx.device)
-        marks.index_fill_(0, torch.where(small_ids >= 0, small_ids, sink), True)
+        sink = ctx.shape[0] + act.shape[0]
         hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay)
         with torch.no_grad():
             for p, rows in ((ctx, marks[: ctx.shape[0]]), (act, marks[ctx.shape[0] : sink])):

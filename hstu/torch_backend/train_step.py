@@ -103,9 +103,10 @@ class TorchBackend(TorchShuffler):
 
     def use_cuda_graphs(self, policy: CapacityPolicy, capture: bool = True) -> None:
         """`train.cuda_graphs`: the stack replayed from graphs over `policy`'s capacities, and
-        with `train.graph_scope=auto` on one rank with replicated tables the whole step
-        (step_graphs.py; the stack's graphs then serve the steps it leaves to the eager path
-        and the probes). `capture=False`: the padded steps run eagerly (CPU tests)."""
+        with `train.graph_scope=auto` and replicated tables the whole step (step_graphs.py; at
+        W > 1 the collectives and the update after the replay; the stack's graphs then serve
+        the steps it leaves to the eager path and the probes). `capture=False`: the padded
+        steps run eagerly (CPU tests)."""
         if capture:
             check_cuda_graphs(self.cfg, self.device.type)
         bound = self.cfg.data.max_seqlen
@@ -113,10 +114,11 @@ class TorchBackend(TorchShuffler):
         tables = self.tables
         # data_parallel tables with Adam: their touched rows updated inside the graph
         graphable = tables is None or (tables.kind == "replicated" and tables.adam)
-        if self.cfg.train.graph_scope == "auto" and self.world_size == 1 and graphable:
+        if self.cfg.train.graph_scope == "auto" and graphable:
             self.step_graphs = StepGraphs(
                 self.model, self.optimizer, self.params, policy, bound, capture=capture,
                 max_candidates=self.cfg.data.max_candidates, tables=tables,
+                world_size=self.world_size, group=self.group,
             )  # fmt: skip
 
     def capacity_of(self, num_tokens: int) -> int:
@@ -152,7 +154,8 @@ class TorchBackend(TorchShuffler):
         self._mark(marks)
         self.model.train()
         if self.step_graphs is not None:
-            done = self.step_graphs.step(batch, global_loss_tokens)
+            stack = self.model.graphed.num_graphs
+            done = self.step_graphs.step(batch, global_loss_tokens, stats, stack)
             self._graphed_step = done is not None
             if done is not None:  # forward, backward and the update, replayed from a graph
                 self._mark(marks)
@@ -164,7 +167,7 @@ class TorchBackend(TorchShuffler):
                     "marks": marks,
                     "phases": ("step",),
                     "updated": True,
-                    "num_compiles": self._num_graphs(),
+                    "num_compiles": self._num_graphs(),  # one rank's (W > 1: in the scalars)
                 }
         if self.row_marks is not None:
             self.row_marks.mark(batch)  # the rows Adam updates and W > 1 reduces

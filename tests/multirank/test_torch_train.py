@@ -195,6 +195,98 @@ def test_table_gradients_reduced_over_the_looked_up_rows_equal_the_whole_reducti
     assert state and np.abs(state["embedding.item.m"]).sum() > 0
 
 
+def _step_graphs_worker(rank: int, world: int, device: str) -> dict:
+    """Four steps from the W > 1 step graphs (uncaptured on the CPU: the padded step each graph
+    would replay, then the collectives) and from the eager step. Rank 1's first batch holds no
+    sample (no graph: the padded step uncaptured, while rank 0 replays); with two graphs
+    allowed, a rank whose new shape has none runs uncaptured too; the last step has a sample
+    past the step graphs' length bound, so every rank takes the eager step."""
+    import torch
+
+    from hstu.capacity import CapacityPolicy
+    from hstu.pipeline import STAT_LOSS_TOKENS, Balancer, sample_stats
+    from hstu.torch_backend import step_graphs
+    from hstu.torch_backend.train_step import TorchBackend
+    from hstu.workload import HSTUCost
+
+    step_graphs.MAX_GRAPHS = 2
+    out = {}
+    for task, tables in (("ranking", "none"), ("retrieval", "none"), ("ranking", "adam")):
+        extra = []
+        if tables == "adam":
+            extra += ["embedding.sharding=data_parallel", "embedding.optimizer=adam"]
+            extra += ["embedding.lr=0.01", "embedding.weight_decay=0.1"]
+        if device != "cpu":  # the captured graphs, with the attention kernel
+            extra += ["model.attention=kernel", "train.cuda_graphs=true"]
+        cfg = _cfg(task, "model.dropout=0.0", "train.weight_decay=0.1", "dist.world_size=2", *extra)
+        cost = HSTUCost.from_model_config(cfg.model)
+        steps = [make_global_batch(cfg, cfg.data.batch_size, real, first_id=50 * i)
+                 for i, real in enumerate(((8, 0), (2, 8), (8, 3), (3, 5)))]  # fmt: skip
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            backend = TorchBackend(cfg, rank, world, device)
+            if graphed:
+                policy = CapacityPolicy((64, 128, 256, 512))
+                backend.use_cuda_graphs(policy, capture=device != "cpu")
+            balancer = Balancer(backend, "identity", overlap=False)
+            metrics = []
+            for i, batches in enumerate(steps):
+                local = [batches[rank]]
+                prepared = balancer.phase2(
+                    *balancer.phase1(backend.to_device(local), sample_stats(local, cost, task))
+                )
+                if graphed and i == 3:
+                    backend.step_graphs.max_seqlen = 8  # a sample past it: the eager step
+                glt = int(prepared.stats[:, STAT_LOSS_TOKENS].sum())
+                handle = backend.forward_backward(prepared.device_batch, glt, prepared.stats)
+                metrics.append(backend.fetch_metrics(backend.optimizer_step(handle)))
+            graphs = backend.step_graphs
+            out[(task, tables, graphed)] = {
+                "metrics": metrics,
+                "params": backend.model.export_params(),
+                "graphs": None if graphs is None else [graphs.num_graphs, graphs.eager_steps],
+            }
+    return out
+
+
+@pytest.mark.multirank
+def test_step_graphs_at_two_ranks_train_as_the_eager_step():
+    """The W > 1 step graphs' collectives after the replay (the buffer's all-reduce, the item
+    table over the rows some rank looked up) give the eager step's losses, metrics, gradient
+    norms and parameters, on every rank; the eager fallback keeps every rank on one path."""
+    _check_step_graphs(run_on_ranks(_step_graphs_worker, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+def test_nccl_captured_step_graphs_at_two_ranks_train_as_the_eager_step():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for NCCL ranks")
+    _check_step_graphs(run_on_ranks(_step_graphs_worker, 2, device="cuda"))
+
+
+def _check_step_graphs(results: list[dict]) -> None:
+    lr = _cfg("ranking").train.lr
+    for key in [k for k in results[0] if not k[2]]:
+        want, got = results[0][key], results[0][(*key[:2], True)]
+        counts = [r[(*key[:2], True)]["graphs"] for r in results]
+        # rank 0: graphs for its first two shapes, its third uncaptured; rank 1: none for its
+        # empty batch; both: the last step eager
+        assert counts[0] == [2, 2] and counts[1][1] >= 2, (key, counts)
+        # the graphed steps count every rank's graphs; the eager one adds the stack's
+        assert got["metrics"][2]["num_compiles"] == counts[0][0] + counts[1][0], key
+        for w, g in zip(want["metrics"], got["metrics"], strict=True):
+            for name in ("loss", "grad_norm", *(k for k in w if k.startswith(("hr", "ndcg")))):
+                assert g[name] == pytest.approx(w[name], rel=1e-4, abs=1e-6), (key, name)
+        for name, value in want["params"].items():
+            # AdamW magnifies rounding-sized differences of near-zero gradients up to a step
+            assert np.abs(got["params"][name] - value).max() < 4 * 0.05 * lr, (key, name)
+            other = results[1][(*key[:2], True)]["params"][name]  # every rank holds the same
+            np.testing.assert_array_equal(other, got["params"][name], err_msg=f"{key} {name}")
+
+
 def _understated_worker(rank: int, world: int, device: str) -> str:
     """Stats that understate the step's lookups (another batch's): an error on every rank, at
     the same point, before the tables' reduction."""
