@@ -12,7 +12,7 @@ graphed stack and `backward`), next to the median step. Medians, since a step th
 a graph (one in a few, each new token capacity) takes a hundred times the host time. Without
 CUDA it runs on the CPU (gloo; pass train.cuda_graphs=false). `--world W`: W ranks, rank 0
 in this process (the one timed), the others spawned, one GPU each (or gloo processes on the
-CPU): the host's share of a data-parallel step, which at W > 1 runs outside the step graphs.
+CPU): the host's share of a data-parallel step.
 Measurement aid for docs/BENCHMARKS.md.
 """
 
@@ -43,6 +43,9 @@ TARGETS = [
     ("hstu.torch_backend.grad_sync", "GradBuckets.finish"),
     ("hstu.torch_backend.grad_sync", "RowMarks.mark"),
     ("hstu.torch_backend.grad_sync", "TouchedRowsReduce.reduce"),
+    ("hstu.torch_backend.step_graphs", "StepGraphs._fill"),
+    ("hstu.torch_backend.step_graphs", "StepGraphs._reduce_update"),
+    ("torch.cuda", "CUDAGraph.replay"),
     ("hstu.torch_backend.train_step", "TorchBackend.optimizer_step"),
     ("torch.optim", "AdamW.step"),
     ("hstu.torch_backend.train_step", "TorchBackend.fetch_metrics"),
@@ -86,39 +89,10 @@ def install(timers: Timers) -> None:
         timers.wrap(owner, name, path)
 
 
-def _device_and_group(rank: int):
-    import torch
-
-    if torch.cuda.is_available():
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        return device, dict(backend="nccl", device_id=device)
-    return torch.device("cpu"), dict(backend="gloo")
-
-
-def _other_rank(rank: int, world: int, cfg, port: int) -> None:
-    """A rank that trains untimed beside rank 0 (a spawned process)."""
-    import torch.distributed as dist
-
-    from hstu.torch_backend.train_step import run_rank
-
-    device, group = _device_and_group(rank)
-    dist.init_process_group(
-        init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **group
-    )
-    try:
-        run_rank(cfg, rank, world, device)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None):
-    import multiprocessing
-
-    import torch.distributed as dist
+    from _ranks import train_rank0
 
     from hstu.config import load_config
-    from hstu.torch_backend.train_step import run_rank
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -156,28 +130,10 @@ def main(argv=None):
         timers.total.clear()
         timers.on = step + 1 >= args.skip
 
-    port, world = 29534, args.world
-    spawn = multiprocessing.get_context("spawn")
-    others = [
-        spawn.Process(target=_other_rank, args=(r, world, cfg, port)) for r in range(1, world)
-    ]
-    for proc in others:
-        proc.start()
-    device, group = _device_and_group(0)
-    dist.init_process_group(
-        init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, **group
-    )
-    try:
-        run_rank(cfg, 0, world, device, on_step=on_step)
-    finally:
-        dist.destroy_process_group()
-        for proc in others:
-            proc.join(timeout=60)
-    if any(proc.exitcode != 0 for proc in others):
-        raise SystemExit(f"host_time: a rank failed: exit codes {[p.exitcode for p in others]}")
+    train_rank0(cfg, args.world, on_step, port=29534)
     n = max(len(counted), 1)
     print(
-        f"W={world}, rank 0: steps timed: {len(counted)}; "
+        f"W={args.world}, rank 0: steps timed: {len(counted)}; "
         f"median step {statistics.median(counted):.2f} ms"
     )
     print(f"{'host call':40s} {'median ms':>10s} {'p90 ms':>8s} {'calls / step':>13s}")

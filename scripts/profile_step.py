@@ -1,13 +1,16 @@
-"""Where a training step's time goes, one GPU: torch.profiler / jax.profiler over a few steps.
+"""Where a training step's time goes: torch.profiler / jax.profiler over a few steps.
 
     python scripts/profile_step.py --backend {torch,jax} --config bench_upstream \
-        [--steps 14] [--profile-at 10] [--profile-steps 2] [key=value ...]
+        [--steps 14] [--profile-at 10] [--profile-steps 2] [--world W] [key=value ...]
 
 Trains through the core trainer (`hstu.trainer.train`, the backend's own Backend), traces steps
 `profile-at ... profile-at + profile-steps - 1`, and prints: the per-step host times, the top
 device kernels, the host timeline (busy time per thread) and the device's idle gaps, each
 charged to what the dispatching thread was doing (`hstu.bench.trace`). The trace goes to $OUT
-(default /tmp). Measurement aid for docs/BENCHMARKS.md.
+(default /tmp). Torch `--world W`: W ranks, one GPU each (gloo processes without CUDA), rank 0
+traced and the others training beside it, so the trace shows what a data-parallel step waits
+for (the collectives, the next batch's copy and exchange). Measurement aid for
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -146,8 +149,16 @@ def main(argv=None):
         action="store_true",
         help="jax: dump the optimized HLO (a temporary folder) and name each top kernel's fusion",
     )
+    p.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        help="torch: ranks, one GPU each; rank 0 is traced, the others train beside it",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.world > 1 and args.backend != "torch":
+        p.error("--world > 1: torch only (jax traces its W devices from one process already)")
     out_dir = os.environ.get("OUT", "/tmp")
     os.makedirs(out_dir, exist_ok=True)
     hlo_dir = None
@@ -161,7 +172,7 @@ def main(argv=None):
         args.config,
         [
             *args.overrides,
-            "dist.world_size=1",
+            f"dist.world_size={args.world}",
             f"train.steps={args.steps}",
             f"output_dir={run_dir}",
         ],
@@ -170,19 +181,21 @@ def main(argv=None):
     if args.backend == "torch":
         import torch
 
-        prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        )
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():  # (without: the host's side only, e.g. gloo ranks)
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
 
         def hook(step, metrics):  # metrics arrive one step late: step+1 is dispatched already
             if step == first - 2:
                 prof.start()
             elif step == last:
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 prof.stop()
 
         trace = os.path.join(out_dir, "torch_trace.json")
-        rows = _train_torch(cfg, hook)
+        rows = _train_torch(cfg, hook, args.world)
         prof.export_chrome_trace(trace)
         with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
             dst.write(src.read())
@@ -208,23 +221,12 @@ def main(argv=None):
     summarize_trace(trace, last - first + 2, top=args.top, hlo_dir=hlo_dir)
 
 
-def _train_torch(cfg, hook):
-    """One in-process rank, set up as `hstu train` sets it up (graphs included), with `hook` on
-    every step's metrics."""
-    import torch
-    import torch.distributed as dist
+def _train_torch(cfg, hook, world: int = 1):
+    """Rank 0 in this process, set up as `hstu train` sets it up (graphs included), with `hook`
+    on every step's metrics; at W > 1 the other ranks spawned beside it."""
+    from _ranks import train_rank0
 
-    from hstu.torch_backend.train_step import run_rank
-
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1, device_id=device
-    )
-    try:
-        return run_rank(cfg, 0, 1, device, on_step=hook)
-    finally:
-        dist.destroy_process_group()
+    return train_rank0(cfg, world, hook, port=29533)
 
 
 if __name__ == "__main__":
