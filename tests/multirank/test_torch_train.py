@@ -195,7 +195,10 @@ def test_table_gradients_reduced_over_the_looked_up_rows_equal_the_whole_reducti
     assert state and np.abs(state["embedding.item.m"]).sum() > 0
 
 
-def _step_graphs_worker(rank: int, world: int, device: str) -> dict:
+STEP_GRAPH_CASES = (("ranking", "none"), ("retrieval", "none"), ("ranking", "adam"))
+
+
+def _step_graphs_worker(rank: int, world: int, device: str, cases=STEP_GRAPH_CASES) -> dict:
     """Four steps from the W > 1 step graphs (uncaptured on the CPU: the padded step each graph
     would replay, then the collectives) and from the eager step. Rank 1's first batch holds no
     sample (no graph: the padded step uncaptured, while rank 0 replays); with two graphs
@@ -211,7 +214,7 @@ def _step_graphs_worker(rank: int, world: int, device: str) -> dict:
 
     step_graphs.MAX_GRAPHS = 2
     out = {}
-    for task, tables in (("ranking", "none"), ("retrieval", "none"), ("ranking", "adam")):
+    for task, tables in cases:
         extra = []
         if tables == "adam":
             extra += ["embedding.sharding=data_parallel", "embedding.optimizer=adam"]
@@ -250,11 +253,24 @@ def _step_graphs_worker(rank: int, world: int, device: str) -> dict:
 
 
 @pytest.mark.multirank
-def test_step_graphs_at_two_ranks_train_as_the_eager_step():
+@pytest.mark.parametrize(
+    "case",
+    # each case is ~30 s of two gloo ranks on 2 cores: retrieval and data_parallel Adam run in
+    # the slow tier (and all three on NCCL below)
+    [
+        pytest.param(
+            c,
+            id="-".join(c),
+            marks=[pytest.mark.slow] if c[0] == "retrieval" or c[1] == "adam" else [],
+        )
+        for c in STEP_GRAPH_CASES
+    ],
+)
+def test_step_graphs_at_two_ranks_train_as_the_eager_step(case):
     """The W > 1 step graphs' collectives after the replay (the buffer's all-reduce, the item
     table over the rows some rank looked up) give the eager step's losses, metrics, gradient
     norms and parameters, on every rank; the eager fallback keeps every rank on one path."""
-    _check_step_graphs(run_on_ranks(_step_graphs_worker, 2))
+    _check_step_graphs(run_on_ranks(_step_graphs_worker, 2, (case,)))
 
 
 @pytest.mark.gpu
@@ -287,9 +303,10 @@ def _check_step_graphs(results: list[dict]) -> None:
             np.testing.assert_array_equal(other, got["params"][name], err_msg=f"{key} {name}")
 
 
-def _understated_worker(rank: int, world: int, device: str) -> str:
+def _understated_worker(rank: int, world: int, device: str) -> list[str]:
     """Stats that understate the step's lookups (another batch's): an error on every rank, at
-    the same point, before the tables' reduction."""
+    the same point, before the tables' reduction; in the eager step and in the step graphs'."""
+    from hstu.capacity import CapacityPolicy
     from hstu.pipeline import NUM_FIXED_STATS, STAT_LOSS_TOKENS, Balancer, sample_stats
     from hstu.torch_backend import grad_sync
     from hstu.torch_backend.train_step import TorchBackend
@@ -298,28 +315,35 @@ def _understated_worker(rank: int, world: int, device: str) -> str:
     grad_sync.ROW_GRANULE = 8  # a bound this small is below the rows the batch marks
     cfg = _cfg("ranking")
     batches = make_global_batch(cfg, cfg.data.batch_size, (8, 3, 0, 7)[:world])
-    backend = TorchBackend(cfg, rank, world, device)
-    local = [batches[rank]]
-    cost = HSTUCost.from_model_config(cfg.model)
-    balancer = Balancer(backend, "identity", overlap=False)
-    prepared = balancer.phase2(
-        *balancer.phase1(backend.to_device(local), sample_stats(local, cost, "ranking"))
-    )
-    stats = prepared.stats.copy()
-    for key in ("item", "candidate"):
-        stats[:, NUM_FIXED_STATS + local[0].keys.index(key)] = 0
-    glt = int(stats[:, STAT_LOSS_TOKENS].sum())
-    try:
-        backend.forward_backward(prepared.device_batch, glt, stats)
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for graphed in (False, True):
+        backend = TorchBackend(cfg, rank, world, device)
+        if graphed:
+            backend.use_cuda_graphs(CapacityPolicy((256, 512)), capture=False)
+        local = [batches[rank]]
+        cost = HSTUCost.from_model_config(cfg.model)
+        balancer = Balancer(backend, "identity", overlap=False)
+        prepared = balancer.phase2(
+            *balancer.phase1(backend.to_device(local), sample_stats(local, cost, "ranking"))
+        )
+        stats = prepared.stats.copy()
+        for key in ("item", "candidate"):
+            stats[:, NUM_FIXED_STATS + local[0].keys.index(key)] = 0
+        glt = int(stats[:, STAT_LOSS_TOKENS].sum())
+        try:
+            backend.forward_backward(prepared.device_batch, glt, stats)
+            messages.append("no error")
+        except RuntimeError as e:
+            messages.append(str(e))
+    return messages
 
 
 @pytest.mark.multirank
 def test_stats_that_understate_the_lookups_fail_on_every_rank():
-    for message in run_on_ranks(_understated_worker, 2):
-        assert "embedding.item: more rows looked up than the gathered stats allow" in message
+    for messages in run_on_ranks(_understated_worker, 2):
+        assert len(messages) == 2  # the eager step, then the step graphs'
+        for message in messages:
+            assert "embedding.item: more rows looked up than the gathered stats allow" in message
 
 
 @pytest.mark.multirank
