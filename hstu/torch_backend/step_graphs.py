@@ -222,8 +222,9 @@ class StepGraphs:
             raise ValueError("StepGraphs: the item table must be among the trained parameters")
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
-        self.eager_steps = 0  # steps the eager path ran (a sample past the bound, a new shape
-        # past MAX_GRAPHS, an empty batch)
+        self.eager_steps = 0  # steps no graph replayed (a sample past the bound, a new shape
+        # past MAX_GRAPHS, an empty batch): the eager path, at W > 1 the padded step uncaptured
+        # where the other ranks replay
         self.names = ["loss"] + (
             [] if self.task == "ranking" else [f"{m}@{TOP_K}" for m in ("hr", "ndcg")]
         )

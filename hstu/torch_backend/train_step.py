@@ -112,7 +112,7 @@ class TorchBackend(TorchShuffler):
         bound = self.cfg.data.max_seqlen
         self.model.graphed = GraphedStack(self.model, policy, bound, capture=capture)
         tables = self.tables
-        # data_parallel tables with Adam: their touched rows updated inside the graph
+        # data_parallel tables with Adam: their touched rows updated by the step graphs
         graphable = tables is None or (tables.kind == "replicated" and tables.adam)
         if self.cfg.train.graph_scope == "auto" and graphable:
             self.step_graphs = StepGraphs(
