@@ -183,6 +183,23 @@ class RowMarks:
 ROW_GRANULE = 512  # rows a reduced slice of a table grows by (fewer distinct buffer sizes)
 
 
+def reduced_rows(num_rows: int, lookups: int) -> int:
+    """The rows a table's reduction carries: its lookups over the global batch (a bound on the
+    rows any rank marks) rounded up to ROW_GRANULE, at most the table."""
+    return min(num_rows, -(-max(lookups, 1) // ROW_GRANULE) * ROW_GRANULE)
+
+
+def marked_first(name: str, marked: torch.Tensor, cap: int) -> torch.Tensor:
+    """`cap` distinct rows, those `marked` (> 0) first; a device-side check (no host sync)
+    that they fit, which holds by construction unless the stats are not this batch's."""
+    torch._assert_async(
+        (marked > 0).sum() <= cap,
+        f"{name}: more rows looked up than the gathered stats allow ({cap}): the stats "
+        "handed to forward_backward are not this step's batch",
+    )
+    return torch.argsort(marked, descending=True, stable=True)[:cap]
+
+
 class TouchedRowsReduce:
     """W > 1: each replicated table's gradient all-reduced over the rows some rank looked up.
 
@@ -220,22 +237,12 @@ class TouchedRowsReduce:
             if p.grad is None:  # this rank looked nothing up: it adds zeros
                 p.grad = torch.zeros_like(p)
             g, n = p.grad, p.shape[0]
-            cap = n
-            if lookups is not None:
-                cap = min(n, -(-max(lookups[name], 1) // ROW_GRANULE) * ROW_GRANULE)
+            cap = n if lookups is None else reduced_rows(n, lookups[name])
             self.last_rows[name] = cap
             if cap >= n:
                 launched.append((g, g, None, self._all_reduce(g)))
                 continue
-            marked = self.marks.rows[name]
-            # the bound holds by construction (every marked row is a looked-up value) unless
-            # the stats are not this batch's; the check costs no host sync
-            torch._assert_async(
-                marked.sum() <= cap,
-                f"{name}: more rows looked up than the gathered stats allow ({cap}): the stats "
-                "handed to forward_backward are not this step's batch",
-            )
-            rows = torch.argsort(marked, descending=True, stable=True)[:cap]
+            rows = marked_first(name, self.marks.rows[name], cap)
             part = g.index_select(0, rows)
             launched.append((g, part, rows, self._all_reduce(part)))
         out = []

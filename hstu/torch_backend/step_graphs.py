@@ -85,6 +85,7 @@ import torch.nn.functional as F
 
 from hstu.capacity import CapacityPolicy
 from hstu.pipeline import gathered_lengths
+from hstu.torch_backend import grad_sync
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
 from hstu.torch_backend.layout import layout_arrays
@@ -488,21 +489,14 @@ class StepGraphs:
         """W > 1, after the local step: the buffer's all-reduce, the item table's gradient
         over the rows some rank looked up, the norm and the updates; `[loss, sums...,
         num_compiles, grad_norm]`. `lookups`: the item table's lookups over the global batch."""
-        from hstu.torch_backend.grad_sync import ROW_GRANULE
-
         dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group)
         for p, view in zip(self.dense, self.grad_views, strict=True):
             p.grad = view  # the reduced gradients, for the updates below
         table = self.table
         num_rows, device = table.shape[0], table.device
-        cap = min(num_rows, -(-max(lookups, 1) // ROW_GRANULE) * ROW_GRANULE)
+        cap = grad_sync.reduced_rows(num_rows, lookups)
         marks = self.item_marks[:num_rows]  # how many ranks looked each row up
-        torch._assert_async(
-            (marks > 0).sum() <= cap,
-            f"embedding.item: more rows looked up than the gathered stats allow ({cap}): the "
-            "stats handed to forward_backward are not this step's batch",
-        )
-        rows = torch.argsort(marks, descending=True, stable=True)[:cap]  # marked rows first
+        rows = grad_sync.marked_first(EMBEDDING_PREFIX + "item", marks, cap)
         # each looked-up id's position among `rows` (the sink, `cap`, for -1)
         where = torch.full((num_rows + 1,), cap, dtype=torch.int64, device=device)
         where.index_copy_(0, rows, torch.arange(cap, device=device))
