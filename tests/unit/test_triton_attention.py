@@ -857,6 +857,7 @@ def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
         assert 0 < regs <= 255 and int(stores) >= 0 and int(loads) >= 0 and smem > 0, r
 
 
+@pytest.mark.slow  # a measurement aid's offline compile (~7 s on 2 cores): `make test-slow`
 def test_load_probe_compiles_three_ways_for_hopper_without_a_gpu():
     """`python -m hstu_kernels.triton.probe_loads` compiles a dq-shaped loop with pointer,
     descriptor and warp-specialised descriptor loads for sm_90a on a CPU machine and reports
