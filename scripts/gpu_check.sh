@@ -390,14 +390,15 @@ print('torchrec', torchrec.__version__)" ;;
       # to balance
       # (single-controller JAX applies the plan on the host: allgather and all2all are one path)
       # (E2E2_MAIN=0: the fixed-length runs alone; E2E2_PROBE_EVERY: steps between probes;
-      #  E2E2_STEPS: steps per run; E2E2_SIM_BATCHES: global batches the simulation times;
+      #  E2E2_STEPS: steps per run; E2E2_SIM_BATCHES: global batches the simulation times,
+      #  by default the runs' steps 1.. (the speedups are compared over the same batches);
       #  E2E2_ARGS: overrides for both, e.g. "embedding.sharding=data_parallel embedding.optimizer=adam")
-      w=${E2E_WORLD:-2}
+      w=${E2E_WORLD:-2}; e2e2_steps=${E2E2_STEPS:-40}
       x=${E2E2_EXCHANGES:-allgather,all2all}; [ "$E2E_BACKENDS" = jax ] && x=allgather
       [ "${E2E2_MAIN:-1}" = 1 ] && run e2e_w$w python -m hstu.cli bench e2e --config bench_upstream \
-        --steps ${E2E2_STEPS:-40} --backends $E2E_BACKENDS --exchanges $x \
+        --steps $e2e2_steps --backends $E2E_BACKENDS --exchanges $x \
         --probe-every ${E2E2_PROBE_EVERY:-15} --breakdown --repeats ${E2E2_REPEATS:-1} \
-        --simulate-ranks $w --sim-batches ${E2E2_SIM_BATCHES:-6} --out /tmp/e2e_w$w \
+        --simulate-ranks $w --sim-batches ${E2E2_SIM_BATCHES:-$((e2e2_steps - 1))} --out /tmp/e2e_w$w \
         dist.world_size=$w ${E2E2_ARGS:-} \
         && cp /tmp/e2e_w$w/e2e.json "$OUT/e2e_w$w.json" && cp /tmp/e2e_w$w/e2e.png "$OUT/e2e_w$w.png"
       [ "${E2E2_FIXED:-1}" = 1 ] && run e2e_w${w}_fixed python -m hstu.cli bench e2e \

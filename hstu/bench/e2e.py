@@ -16,7 +16,10 @@ compiled or held a measurement):
 * the balancer's host time on the main thread (stats gather + partition wait + exchange) and
   the part of it the host's wait for the device (fetching metrics, or blocked in a dispatch
   call) did not absorb (`exposed_balancer_s`), in ms and as a share of the step;
-* speedup over identity (same backend), padding waste, programs compiled.
+* speedup over identity (same backend): of the median steps (`speedup`), and of the total
+  time over the same global batches (`paired`: the steps both runs timed, round by round;
+  what a training run of those batches gains, the figure the projection is held to, below);
+* padding waste, programs compiled.
 
 `--repeats R` runs every combination R times, in rounds (identity, balanced, identity,
 balanced, ...), so slow drifts of the machine fall on both: a row pools the timed steps of its
@@ -26,7 +29,9 @@ identity run of the same round.
 `--breakdown` splits the step: the host phases of the main thread (they are the step period as
 the host sees it; their sum is checked against the step) and the device phases of one step
 (forward, backward, gradient reduction, update). `--simulate-ranks W` projects W ranks from
-one device (`hstu.bench.simulate`). Writes `e2e.json` and `e2e.png` under `--out`.
+one device (`hstu.bench.simulate`); at the run's own W its batches are the run's steps, and
+the real balanced speedup is set against the projected one over the same batches (totals; the
+medians' ratio is printed too). Writes `e2e.json` and `e2e.png` under `--out`.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
     out = {
         "steps": len(rows),
         "step_ms_runs": [1e3 * _med([r["step_time_s"] for r in run]) for run in per_run],
+        # each run's timed steps by index, for speedups over the same batches (paired_totals)
+        "step_s_runs": [[[r["step"], r["step_time_s"]] for r in run] for run in per_run],
         "steps_timed": len(use),
         "step_ms": 1e3 * _med(step),
         "step_p90_ms": 1e3 * _p90(step),
@@ -118,6 +125,27 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
     out["exposed_balancer_share"] = out["exposed_balancer_ms"] / out["step_ms"]
     out["host_sum_ms"] = sum(out["host_ms"].values())
     return out
+
+
+def paired_totals(
+    a_runs: list[list], b_runs: list[list], only: set[int] | None = None
+) -> tuple[float, float, list[int]]:
+    """The total step time of two combinations over the same global batches: round by round
+    (a round's run of one against the same round's run of the other), the steps both timed
+    (`step_s_runs`: [step, seconds] pairs per run), restricted to the step indices `only`.
+    Returns both totals (seconds) and the steps counted, one entry per round that counted it.
+    Step times of a Zipf stream differ by batch, so two medians over different steps (a
+    capture or a probe lands on different steps) do not compare; totals over the same
+    batches are what a training run of them takes."""
+    total_a = total_b = 0.0
+    steps: list[int] = []
+    for a, b in zip(a_runs, b_runs, strict=True):
+        a, b = dict((int(k), v) for k, v in a), dict((int(k), v) for k, v in b)
+        for k in sorted(a.keys() & b.keys()):
+            if only is None or k in only:
+                total_a, total_b = total_a + a[k], total_b + b[k]
+                steps.append(k)
+    return total_a, total_b, steps
 
 
 def _rank_median(probes: list[dict], key: str, world: int) -> list[float]:
@@ -163,11 +191,34 @@ def _simulate(args, backend: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def paired_projection(
+    sim: dict, ident: dict, real: dict, extra_s: float = 0.0, exchange_s: float = 0.0
+) -> dict:
+    """The real and the projected balanced speedup over the same global batches: the steps
+    both real runs timed in a round that the simulation also timed (its batch i is the run's
+    step i), as totals (`paired_totals`); the projection adds what the real run adds (as
+    `simulate.projected_speedup`). `share`: the real gain's share of the projected one."""
+    batches = sim.get("batches", [])
+    index = {k: i for i, k in enumerate(batches)}
+    t_ident, t_bal, steps = paired_totals(
+        ident["step_s_runs"], real["step_s_runs"], only=set(index)
+    )
+    out = {"steps": len(steps), "real": None, "projected": None, "share": None}
+    if not steps:
+        return out
+    p_ident = sum(sim["identity"]["per_batch_step_s"][index[k]] + extra_s for k in steps)
+    p_bal = sum(sim["balanced"]["per_batch_step_s"][index[k]] + extra_s + exchange_s for k in steps)
+    out["real"], out["projected"] = t_ident / t_bal, p_ident / p_bal
+    if out["projected"] > 1:
+        out["share"] = (out["real"] - 1) / (out["projected"] - 1)
+    return out
+
+
 def format_table(results: dict) -> str:
     head = (
         f"{'backend':<7}{'shuffler':<10}{'exchange':<10}{'step ms':>9}{'p90':>7}{'tok/s':>10}"
         f"{'TF/s':>7}{'MFU':>6}{'imb FLOPs':>12}{'imb time':>13}{'bal ms':>8}{'exposed':>9}"
-        f"{'speedup':>9}{'pad':>6}{'progs':>6}{'mem GiB':>8}"
+        f"{'speedup':>9}{'paired':>8}{'pad':>6}{'progs':>6}{'mem GiB':>8}"
     )
     lines = [head, "-" * len(head)]
     for key, r in results.items():
@@ -180,7 +231,8 @@ def format_table(results: dict) -> str:
             f"{r['imbalance_flops_before']:>6.2f}>{r['imbalance_flops_after']:<5.2f}"
             f"{r['imbalance_time_before']:>7.2f}>{r['imbalance_time_after']:<5.2f}"
             f"{r['balancer_ms']:>8.2f}{100 * r['exposed_balancer_share']:>8.1f}%"
-            f"{r['speedup']:>8.3f}x{100 * r['padding_waste']:>5.0f}%{r['num_compiles']:>6}"
+            f"{r['speedup']:>8.3f}x{r['speedup_paired']:>7.3f}x"
+            f"{100 * r['padding_waste']:>5.0f}%{r['num_compiles']:>6}"
             f"{mem:>8}"
         )
     return "\n".join(lines)
@@ -316,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         # paired by round: each run against the identity run of the same round
         pairs = zip(ident["step_ms_runs"], r["step_ms_runs"], strict=True) if ident else []
         r["speedup_runs"] = [a / b for a, b in pairs] or [1.0] * len(r["step_ms_runs"])
+        # identity's total time over this combination's, on the steps both timed in each round
+        t_ident, t_this, steps = (
+            paired_totals(ident["step_s_runs"], r["step_s_runs"]) if ident else (1.0, 1.0, [])
+        )
+        r["speedup_paired"] = t_ident / t_this if steps else float("nan")
+        r["steps_paired"] = len(steps)
     report = {"config": args.config, "overrides": args.overrides, "world_size": world}
     report["repeats"] = args.repeats
     report["runs"] = results
@@ -369,9 +427,23 @@ def main(argv: list[str] | None = None) -> int:
                     sim["share_of_projected_gain"] = share
                     gain = "" if share is None else f" ({100 * share:.0f}% of the projected gain)"
                     print(
-                        f"  balanced speedup: real {real['speedup']:.3f}x vs projected "
+                        f"  balanced speedup, medians: real {real['speedup']:.3f}x vs projected "
                         f"{proj_sp:.3f}x{gain}"
                     )
+                    sim["paired"] = paired = paired_projection(
+                        sim, results[f"{b}/identity/-"], real, extra_s, exchange_s
+                    )
+                    if paired["steps"]:
+                        print(
+                            f"  balanced speedup, total time over the same {paired['steps']} "
+                            f"steps: real {paired['real']:.3f}x vs projected "
+                            f"{paired['projected']:.3f}x"
+                            + (
+                                f" ({100 * paired['share']:.0f}% of the projected gain)"
+                                if paired["share"] is not None
+                                else ""
+                            )
+                        )
             sim.pop("rows", None)
             report["simulation"][b] = sim
     (out / "e2e.json").write_text(json.dumps(report, indent=1))

@@ -90,6 +90,7 @@ def summarize(rows: list[dict], update_s: float, backend: str, world: int, devic
             "flops_time_corr": _corr(flops.ravel(), rank_s.ravel()),
             "per_batch_step_s": projected.tolist(),
         }
+    out["batches"] = [r["batch"] for r in rows]  # the run's step index of each batch
     out["projected_speedup"] = (
         out["identity"]["projected_step_s"] / out["balanced"]["projected_step_s"]
     )

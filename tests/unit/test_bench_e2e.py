@@ -45,6 +45,9 @@ RUN_FIELDS = {
     "speedup",
     "step_ms_runs",
     "speedup_runs",
+    "step_s_runs",
+    "speedup_paired",
+    "steps_paired",
 }
 
 
@@ -104,8 +107,13 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
         assert share is None or share == pytest.approx(
             (real["speedup"] - 1) / (sim["projected_speedup_with_run"] - 1)
         )
+        # over the same batches: the simulation's batches are the run's steps 1..8
+        assert sim["batches"] == list(range(1, 9))
+        paired = sim["paired"]
+        assert 3 <= paired["steps"] <= 7 and paired["real"] > 0 and paired["projected"] > 0
     assert "projected balanced speedup at W=2" in printed
-    assert "balanced speedup: real" in printed
+    assert "balanced speedup, medians: real" in printed
+    assert "balanced speedup, total time over the same" in printed
     assert "breakdown torch/balanced/allgather" in printed
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -256,6 +264,36 @@ def test_e2e_bench_repeats_alternate_and_pool(tmp_path, capsys):
         for rnd in (0, 1):
             assert (tmp_path / name / f"run{rnd}" / "metrics.jsonl").is_file()
     assert "[4/4] torch/balanced/allgather" in printed and "per run (rounds" in printed
+
+
+def test_paired_speedup_counts_the_same_batches_round_by_round():
+    """A speedup over the same global batches: the steps both runs of a round timed (a step
+    one run left out, e.g. for a graph capture, is left out of both), totals, not medians."""
+    from hstu.bench.e2e import paired_projection, paired_totals
+
+    ident = [[[2, 0.020], [3, 0.010], [4, 0.030], [5, 0.012]], [[2, 0.022], [4, 0.028]]]
+    bal = [[[2, 0.016], [4, 0.020], [5, 0.010], [6, 0.5]], [[2, 0.018], [3, 0.01], [4, 0.024]]]
+    t_ident, t_bal, steps = paired_totals(ident, bal)
+    assert steps == [2, 4, 5, 2, 4]  # round 0: 3 and 6 timed by one run only; round 1: 3
+    assert t_ident == pytest.approx(0.020 + 0.030 + 0.012 + 0.022 + 0.028)
+    assert t_bal == pytest.approx(0.016 + 0.020 + 0.010 + 0.018 + 0.024)
+    assert paired_totals(ident, bal, only={4})[2] == [4, 4]
+    # the medians' ratio reads a different thing: identity 0.021 vs balanced 0.018 medians
+    sim = {
+        "batches": [1, 2, 3, 4],  # the simulation timed steps 1..4: step 5 is left out
+        "identity": {"per_batch_step_s": [9.0, 0.020, 0.011, 0.026]},
+        "balanced": {"per_batch_step_s": [9.0, 0.015, 0.010, 0.020]},
+    }
+    got = paired_projection(sim, {"step_s_runs": ident}, {"step_s_runs": bal}, 0.001, 0.0005)
+    assert got["steps"] == 4  # steps 2 and 4 of both rounds
+    assert got["real"] == pytest.approx(
+        (0.020 + 0.030 + 0.022 + 0.028) / (0.016 + 0.020 + 0.018 + 0.024)
+    )
+    proj = (2 * 0.021 + 2 * 0.027) / (2 * 0.0165 + 2 * 0.0215)
+    assert got["projected"] == pytest.approx(proj)
+    assert got["share"] == pytest.approx((got["real"] - 1) / (proj - 1))
+    none = paired_projection({**sim, "batches": [7]}, {"step_s_runs": ident}, {"step_s_runs": bal})
+    assert none == {"steps": 0, "real": None, "projected": None, "share": None}
 
 
 def test_padding_is_the_mean_over_every_step():
