@@ -79,7 +79,13 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
 def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     """`(params, rows, ids, batch, global_loss_tokens, rng) -> (loss, aux)`: `make_loss_fn`'s
     loss with the item table read from `rows [U, D]`, the table's rows at the sorted ids
-    `ids [U]` (every id the batch reads), instead of the parameter."""
+    `ids [U]` (every id the global batch reads), instead of the parameter.
+
+    Each rank gets its own copy of the rows (`[W, U, D]`, split by rank), so that their
+    gradient is every rank's own, summed over the ranks outside (the transpose of the
+    broadcast: one all-reduce of `[U, D]`). Passed replicated (`P()`), the rows' gradient
+    came out wrong under `check_vma` (jax 0.10.2, 4 CPU devices: every rank's row gradients
+    summed into one row), while the dense params' did not."""
 
     def per_rank(params, rows, ids, batch, global_loss_tokens, rng):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
@@ -89,17 +95,24 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
             global_loss_tokens,
             deterministic=False,
             rngs={"dropout": rng},
-            tables={"item": (ids, rows)},
+            tables={"item": (ids, rows[0])},
         )
         return jax.lax.psum((loss, aux), col.DATA_AXIS)
 
-    return col.shard_map(
+    inner = col.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(), P(), P(col.DATA_AXIS), P(), P()),
+        in_specs=(P(), P(col.DATA_AXIS), P(), P(col.DATA_AXIS), P(), P()),
         out_specs=(P(), P()),
         check=model.attn.impl == "reference",
     )
+    world = mesh.devices.size
+
+    def loss_fn(params, rows, ids, batch, global_loss_tokens, rng):
+        per_rank_rows = jax.numpy.broadcast_to(rows[None], (world, *rows.shape))
+        return inner(params, per_rank_rows, ids, batch, global_loss_tokens, rng)
+
+    return loss_fn
 
 
 def _item_ids(batch: DeviceBatch) -> jax.Array:
@@ -114,25 +127,26 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     donate: bool = True,
-    table_rows: bool | None = None,
+    table_rows: bool = True,
 ) -> Callable:
     """Jitted `(state, batch, global_loss_tokens) -> (state, metrics)`; donates the state.
 
-    `table_rows` (default: on one device): the item table's gradient from the rows the batch
-    reads. The loss differentiates with respect to those rows (`make_rows_loss_fn`), and the
-    table's dense gradient is a gather of their gradients (zero for every other row) that XLA
-    fuses into AdamW's update and the norm: no zero fill, scatter and read of a `[V, D]`
-    gradient. The same update and norm (AdamW still moves every row). Across devices the
-    per-rank rows would have to be gathered first: the dense all-reduce stays."""
+    `table_rows`: the item table's gradient from the rows the batch reads. The
+    loss differentiates with respect to those rows (`make_rows_loss_fn`), and the table's
+    dense gradient is a gather of their gradients (zero for every other row) that XLA fuses
+    into AdamW's update and the norm: no zero fill, scatter and read of a `[V, D]` gradient.
+    The same update and norm (AdamW still moves every row). Across devices the rows are those
+    of every rank's ids (the global batch's, deduplicated: `[U, D]`, replicated), so the
+    gradients' all-reduce carries `U` rows instead of the table's `V` (the step's other
+    replicated params' reduction, the same psum). A program whose global batch may read as
+    many rows as the table has (`U >= V`, known at trace time) takes the dense gradient."""
     jnp = jax.numpy
     loss_fn = make_loss_fn(model, mesh)
     rows_loss_fn = make_rows_loss_fn(model, mesh)
-    if table_rows is None:
-        table_rows = mesh.devices.size == 1
     num_items = model.cfg.num_items
 
     def grads_of(params, batch, global_loss_tokens, rng):
-        if not table_rows:
+        if not table_rows or _item_ids(batch).size >= num_items:
             return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
         table = params["embedding"]["item"]
         read = _item_ids(batch)

@@ -268,6 +268,61 @@ def invariance(tasks: list, cases: list) -> dict:
     return {"results": out}
 
 
+def table_rows(cases: list) -> dict:
+    """Three balanced steps of the whole train step (AdamW, donation off) with the item
+    table's gradient from the global batch's rows (`table_rows`) and from the dense
+    parameter, per case `[task, *overrides]`: metrics, whether the rows path can apply (the
+    global batch reads fewer rows than the table holds) and the largest parameter gap."""
+    import jax
+    import numpy as np
+
+    from hstu.jax_backend import collectives as col
+    from hstu.jax_backend.model import build_model, flax_to_params
+    from hstu.jax_backend.shuffler import JaxShuffler
+    from hstu.jax_backend.train_step import (
+        _item_ids,
+        init_state,
+        make_optimizer,
+        make_train_step,
+    )
+    from hstu.params import init_params
+    from hstu.testing import make_global_batch
+    from hstu.workload import HSTUCost
+
+    mesh = col.make_mesh(jax.devices())
+    world = len(jax.devices())
+    out = []
+    for task, *extra in cases:
+        cfg = _cfg(task, "model.num_layers=1", "data.max_history=40", "train.weight_decay=0.1",
+                   *extra)  # fmt: skip
+        model = build_model(cfg.model, cfg.data.max_seqlen)
+        cost = HSTUCost.from_model_config(cfg.model)
+        steps = [make_global_batch(cfg, 6, ((6, 2, 0, 5), (3, 6, 6, 1), (4, 4, 2, 6))[i][:world],
+                                   first_id=20 * i) for i in range(3)]  # fmt: skip
+        runs = {}
+        for rows in (False, True):
+            opt = make_optimizer(cfg.train)
+            state = init_state(init_params(cfg.model, 0), opt, mesh)
+            step = make_train_step(model, opt, mesh, donate=False, table_rows=rows)
+            metrics, reads = [], []
+            for host in steps:
+                prep = JaxShuffler(mesh, "allgather").shuffle(host, cost, task)
+                batch = prep.device_batch.batch
+                reads.append(int(_item_ids(batch).size))
+                state, m = step(state, batch, prep.device_batch.loss_tokens_device)
+                metrics.append({k: float(v) for k, v in m.items()})
+            runs[rows] = metrics, reads, flax_to_params(state.params)
+        (want, reads, want_p), (got, _, got_p) = runs[False], runs[True]
+        gap = max(float(np.abs(got_p[k] - want_p[k]).max()) for k in want_p)
+        moved = float(
+            np.abs(got_p["embedding.item"] - init_params(cfg.model, 0)["embedding.item"]).max()
+        )
+        out.append({"case": [task, *extra], "dense": want, "rows": got, "reads": reads,
+                    "num_items": cfg.model.num_items, "param_gap": gap,
+                    "item_moved": moved})  # fmt: skip
+    return {"results": out, "world": world}
+
+
 def train(overrides: list, kill_after_step: int | None = None, wait_for: str | None = None) -> dict:
     """`train(cfg)`; optionally SIGKILL itself after a step, once `wait_for` exists on disk."""
     import signal

@@ -39,6 +39,28 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
         assert r["loss_tokens_ok"] == [True, True], r  # placed with the batch, same loss
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_item_table_gradient_from_the_global_rows_trains_as_the_dense_one():
+    """At W=4 the item table's gradient from the rows the global batch reads (each rank's
+    rows' gradient summed by the step's psum, `[U, D]`) against the dense parameter's: the
+    same losses, norms and parameters over three steps of AdamW; a table no larger than the
+    batch's reads takes the dense gradient, with the same result."""
+    out = run_worker(
+        "table_rows",
+        devices=4,
+        cases=[["ranking"], ["retrieval", "model.num_items=20000"], ["ranking", "model.num_items=64"]],
+    )
+    assert out["world"] == 4
+    rows_path = []
+    for r in out["results"]:
+        for want, got in zip(r["dense"], r["rows"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-7), r["case"]
+        assert r["param_gap"] < 1e-6 and r["item_moved"] > 0, r
+        rows_path.append(all(n < r["num_items"] for n in r["reads"]))
+    assert rows_path == [True, True, False]  # the small table: every program dense
+
+
 @pytest.mark.multirank
 @pytest.mark.slow  # ~12 s: `make test-slow`
 def test_save_kill_resume_continues_the_loss_curve(tmp_path):

@@ -291,7 +291,7 @@ def test_checkpoint_step_names_keep_latest_and_restore(tmp_path):
 
 
 # ------------------------------------------------------------------ the backend's step
-def _backend(cfg, table_rows: bool | None = None) -> JaxBackend:
+def _backend(cfg, table_rows: bool = True) -> JaxBackend:
     mesh = col.make_mesh(jax.devices()[:1])
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=True)
     opt = make_optimizer(cfg.train)
@@ -343,7 +343,7 @@ def test_a_mismatching_loss_token_count_raises():
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
 def test_item_table_gradient_from_its_rows_trains_as_the_dense_one(task):
     """The one-device step's item-table gradient built from the rows the batch reads
-    (`table_rows`, the default there) against the dense gradient of the parameter: the same
+    (`table_rows`, the default) against the dense gradient of the parameter: the same
     losses, norms and parameters over three steps (every row moves: AdamW's decay)."""
     cfg = _cfg(task, "model.num_layers=1", "data.num_samples=8", "data.min_history=4",
                "train.weight_decay=0.1")  # fmt: skip
