@@ -49,7 +49,11 @@ def test_item_table_gradient_from_the_global_rows_trains_as_the_dense_one():
     out = run_worker(
         "table_rows",
         devices=4,
-        cases=[["ranking"], ["retrieval", "model.num_items=20000"], ["ranking", "model.num_items=64"]],
+        cases=[
+            ["ranking"],
+            ["retrieval", "model.num_items=20000"],
+            ["ranking", "model.num_items=64"],
+        ],
     )
     assert out["world"] == 4
     rows_path = []
