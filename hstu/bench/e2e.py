@@ -271,9 +271,12 @@ def format_breakdown(key: str, r: dict) -> str:
             f"{r['step_ms']:.2f} ({r['step_ms'] - busy:.2f} idle: the device waits for the host)"
         )
     elif np.isfinite(dev["step"]):  # one graph replays the whole step: no phases inside it
+        # the span between the step's first and last event on rank 0's stream (at W > 1 its
+        # collectives and update too); the batch's copies and exchange fall outside it, so
+        # the rest of the period is not all idle
         busy = dev["step"]
         lines.append(
-            f"  device, one step (medians of the probes): the step graph {busy:.2f} busy, "
+            f"  device, one step (medians of the probes): rank 0's step span {busy:.2f} ms, "
             f"{100 * busy / r['step_ms']:.0f}% of the median step {r['step_ms']:.2f}"
         )
     else:

@@ -336,6 +336,6 @@ def test_breakdown_of_a_step_graph_reports_its_one_device_phase():
         "device_ms": {**dict.fromkeys(DEVICE_PHASES, float("nan")), "step": 8.0},
     }
     text = format_breakdown("torch identity -", r)
-    assert "the step graph 8.00 busy, 80% of the median step 10.00" in text
+    assert "rank 0's step span 8.00 ms, 80% of the median step 10.00" in text
     r["device_ms"]["step"] = float("nan")
     assert "device phases: not measured" in format_breakdown("torch identity -", r)
