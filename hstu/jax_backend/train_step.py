@@ -136,20 +136,20 @@ def make_train_step(
     dense gradient is a gather of their gradients (zero for every other row) that XLA fuses
     into AdamW's update and the norm: no zero fill, scatter and read of a `[V, D]` gradient.
     The same update and norm (AdamW still moves every row). Across devices the rows are those
-    of every rank's ids (the global batch's, deduplicated: `[U, D]`, replicated), so the
-    gradients' all-reduce carries `U` rows instead of the table's `V` (the step's other
-    replicated params' reduction, the same psum). A program whose global batch may read as
-    many rows as the table has (`U >= V`, known at trace time) takes the dense gradient."""
+    of every rank's ids (the global batch's, deduplicated: `[U, D]`, a copy per rank), so the
+    gradients' all-reduce carries `U` rows instead of the table's `V`. A program whose global
+    batch may read as many rows as the table has (`U >= V`, known at trace time) takes the
+    dense gradient."""
     jnp = jax.numpy
     loss_fn = make_loss_fn(model, mesh)
     rows_loss_fn = make_rows_loss_fn(model, mesh)
     num_items = model.cfg.num_items
 
     def grads_of(params, batch, global_loss_tokens, rng):
-        if not table_rows or _item_ids(batch).size >= num_items:
+        read = _item_ids(batch)
+        if not table_rows or read.size >= num_items:
             return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
         table = params["embedding"]["item"]
-        read = _item_ids(batch)
         ids = jnp.unique(read, size=read.size, fill_value=num_items)
         rows = table.at[ids].get(mode="fill", fill_value=0)
         out, (grads, g_rows) = jax.value_and_grad(rows_loss_fn, argnums=(0, 1), has_aux=True)(

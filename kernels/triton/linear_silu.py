@@ -39,9 +39,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-# the bias gradient's combine function: standard's, which the interpreter runs as one numpy sum
-# (as `_common._add`)
-_add = tl.standard._sum_combine
+from ._common import _add  # the bias gradient's combine function (standard's: see there)
 
 
 @triton.jit
