@@ -3,6 +3,8 @@
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
         [--lowering triton|mosaic]   (jax: the forward / dq kernels' Pallas lowering)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
+        [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
+                                      keep their defaults)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
 contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and one of 8 x 4096
@@ -44,7 +46,34 @@ def _graph_timer(calls: int, rounds: int):
     return lambda fn: graph_time_ms(fn, calls, rounds)
 
 
-def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None):
+def _torch_tiles(tiles: dict, dim: int):
+    """The (forward, dk/dv, dq) BlockSizes: ``tiles`` (kernel -> (m, n, warps, stages)) over
+    the defaults for ``dim``; None when ``tiles`` is empty (the kernels' own choice)."""
+    if not tiles:
+        return None
+    from hstu_kernels.triton import BlockSizes
+    from hstu_kernels.triton._launch import default_block_sizes
+
+    return tuple(
+        BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, k)
+        for k in ("fwd", "dkdv", "dq")
+    )
+
+
+def _parse_tiles(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        kernel, _, spec = item.partition("=")
+        if kernel not in ("fwd", "dkdv", "dq") or not spec:
+            raise SystemExit(f"--tiles: expected KERNEL=m,n,warps,stages, KERNEL one of "
+                             f"fwd, dkdv, dq; got {item!r}")  # fmt: skip
+        out[kernel] = tuple(int(x) for x in spec.split(","))
+    return out
+
+
+def _torch_case(
+    lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None, tiles=None
+):  # fmt: skip
     import torch
     from hstu_kernels.triton import hstu_attention  # the function, whatever loaded first
 
@@ -61,6 +90,8 @@ def _torch_case(lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False
         kw["num_candidates"] = torch.tensor(cand, device=dev)
     if backward is not None:  # absent: the kernels' default (and a tree without the option)
         kw["backward"] = backward
+    if tiles:
+        kw["block_sizes"] = _torch_tiles(tiles, dim)
 
     def fwd():
         with torch.no_grad():
@@ -180,10 +211,15 @@ def main(argv=None) -> None:
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
     ap.add_argument("--backward", choices=["split", "fused"], default=None,
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
+    ap.add_argument("--tiles", nargs="*", default=[],
+                    help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
     args = ap.parse_args(argv)
+    tiles = _parse_tiles(args.tiles)
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
     if args.backend == "torch" and args.backward:
         fwd_name = f", {args.backward} backward"
+    if args.backend == "torch" and tiles:
+        fwd_name += ", tiles " + " ".join(args.tiles)
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
@@ -191,7 +227,7 @@ def main(argv=None) -> None:
     for name, lengths, cand, ctx, max_seqlen in cases():
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         if args.backend == "torch":
-            f_ms, fb_ms = _torch_case(*shape, timed, args.profile, args.backward)
+            f_ms, fb_ms = _torch_case(*shape, timed, args.profile, args.backward, tiles)
         else:
             profile = args.profile and name == "upstream seed 0"
             f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)

@@ -186,20 +186,22 @@ print('torchrec', torchrec.__version__)" ;;
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
     tma)
-      # tensor-descriptor (TMA) loads of the forward / dq kernels against their pointer tiles
-      # (HSTU_TRITON_TMA=0), alternating in one call: scripts/attention_jagged.py on
-      # bench_upstream's jagged batches (two rounds), then the fwd / dq tile sweep at head
-      # dim 256 with each ($TMA_TUNE=0 skips it)
+      # tensor-descriptor (TMA) loads against pointer tiles, alternating in one call: each
+      # HSTU_TRITON_TMA value of $TMA_SETS (default "0 1": none, the default set; or kernel
+      # lists such as fwd,dq,dkdv) on scripts/attention_jagged.py, bench_upstream's jagged
+      # batches (two rounds), then the tile sweep of $TMA_KERNELS (default fwd,dq) at head dim
+      # 256 with each ($TMA_TUNE=0 skips it)
+      read -r -a tma_sets <<< "${TMA_SETS:-0 1}"
       for round in 1 2; do
-        for t in 0 1; do
-          run "tma${t}_jagged_$round" env HSTU_TRITON_TMA=$t python scripts/attention_jagged.py \
-            --backend torch ${KAB_ARGS:-}
+        for i in "${!tma_sets[@]}"; do
+          run "tma${i}_jagged_$round" env HSTU_TRITON_TMA=${tma_sets[$i]} \
+            python scripts/attention_jagged.py --backend torch ${KAB_ARGS:-}
         done
       done
-      [ "${TMA_TUNE:-1}" = 1 ] && for t in 0 1; do
-        run "tma${t}_tune" env HSTU_TRITON_TMA=$t python -m hstu_kernels.triton.tune --dims 256 \
-          --kernels fwd,dq --repeats 10 --tiles ${TMA_TILES:-64,32,4,3 64,32,4,2 64,64,4,2 \
-          128,32,8,2 128,32,8,3 128,64,8,2}
+      [ "${TMA_TUNE:-1}" = 1 ] && for i in "${!tma_sets[@]}"; do
+        run "tma${i}_tune" env HSTU_TRITON_TMA=${tma_sets[$i]} python -m hstu_kernels.triton.tune \
+          --dims 256 --kernels ${TMA_KERNELS:-fwd,dq} --repeats 10 --tiles ${TMA_TILES:-64,32,4,3 \
+          64,32,4,2 64,64,4,2 128,32,8,2 128,32,8,3 128,64,8,2}
       done ;;
     bias)
       # what the attention biases cost the Triton kernel (kernels/triton/bench_bias.py): the

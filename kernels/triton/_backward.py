@@ -12,7 +12,6 @@ from ._common import (
     _block_start,
     _dot,
     _key_ranges,
-    _load_rows,
     _load_tile,
     _logits,
     _num_blocks,
@@ -38,14 +37,14 @@ def _dkdv_tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # transposed orientation: rows are keys, columns are queries
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = seq_start + offs_m
     in_m = offs_m < n
-    q = _load_rows(Q, rows, in_m, stride_qt, DQK, BLOCK_DQK)
-    do = _load_rows(DO, rows, in_m, stride_dot, DV, BLOCK_DV)
+    q = _load_tile(Q, start_m, rows, in_m, stride_qt, DQK, BLOCK_DQK, TMA)
+    do = _load_tile(DO, start_m, rows, in_m, stride_dot, DV, BLOCK_DV, TMA)
     ts_q = 0
     if HAS_TIME:
         ts_q = _ts_load(Ts, rows, in_m, ts_lo, HAS_TIME)[None, :]
@@ -95,9 +94,11 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of one sample and head: dk / dv over the query blocks that can see it,
-    and with FUSED each tile's dq share added into ``DQacc`` (fp32)."""
+    and with FUSED each tile's dq share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO
+    read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles."""
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
@@ -125,8 +126,15 @@ def _dkdv_program(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows_n = seq_start + offs_n
         in_n = offs_n < n
-        k = _load_rows(K, rows_n, in_n, stride_kt, DQK, BLOCK_DQK)
-        v = _load_rows(V, rows_n, in_n, stride_vt, DV, BLOCK_DV)
+        if TMA:
+            Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
+            DOs = _rows_desc(DO, seq_start, n, stride_dot, DV, BLOCK_M, BLOCK_DV)
+            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
+            Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
+        else:
+            Qs, DOs, Ks, Vs = Q, DO, K, V
+        k = _load_tile(Ks, n0, rows_n, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
+        v = _load_tile(Vs, n0, rows_n, in_n, stride_vt, DV, BLOCK_DV, TMA)
         ts_k = 0
         if HAS_TIME:
             ts_k = _ts_load(Ts, rows_n, in_n, ts_lo, HAS_TIME)[:, None]
@@ -139,10 +147,10 @@ def _dkdv_program(
         for it in range(0, n_a + n_b):
             start_m = _block_start(it, 0, n_a, fs, n_b, 0, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, False, FUSED,
+                PREC, FAST, False, FUSED, TMA,
             )  # fmt: skip
         # masked: [cfull, chi), [lo, fs) around the diagonal and the tail [fe, hi)
         n_a = _num_blocks(cfull, chi, BLOCK_M)
@@ -151,10 +159,10 @@ def _dkdv_program(
         for it in range(0, n_a + n_b + n_c):
             start_m = _block_start(it, cfull, n_a, lo, n_b, fe, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, True, FUSED,
+                PREC, FAST, True, FUSED, TMA,
             )  # fmt: skip
         _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
         _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
@@ -169,7 +177,7 @@ def _hstu_bwd_dkdv_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
     _dkdv_program(
@@ -177,7 +185,7 @@ def _hstu_bwd_dkdv_kernel(
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G, H,
         P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
-        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN,
+        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA,
     )  # fmt: skip
 
 
@@ -190,7 +198,7 @@ def _hstu_bwd_fused_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Fused backward: dk / dv per key block as ``_hstu_bwd_dkdv_kernel``, and each tile's
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
@@ -201,7 +209,7 @@ def _hstu_bwd_fused_kernel(
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
         stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
         DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
-        FAST, True, OUT_LIKE_IN,
+        FAST, True, OUT_LIKE_IN, TMA,
     )  # fmt: skip
 
 

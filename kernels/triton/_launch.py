@@ -132,11 +132,32 @@ def check_backward(backward) -> str:
     return backward
 
 
-# The forward and dq kernels read a sample's rows through tensor descriptors (TMA) where the
+# The kernels named here read a sample's rows through tensor descriptors (TMA) where the
 # hardware has them (sm_90+; the interpreter emulates them) and the inputs allow them, else
-# through pointer tiles. HSTU_TRITON_TMA=0 keeps the pointer loads everywhere (A/B, or a
-# Triton whose descriptors misbehave).
-_TMA_ENABLED = os.environ.get("HSTU_TRITON_TMA", "1") != "0"
+# through pointer tiles. HSTU_TRITON_TMA: "1" (the default set: the forward and dq, measured
+# faster on an H200), "0" (pointer loads everywhere: A/B, or a Triton whose descriptors
+# misbehave), or a comma-separated list of kernels among fwd, dkdv, dq, fused.
+_TMA_DEFAULT = frozenset({"fwd", "dq"})
+
+
+def _tma_kernels(setting: str) -> frozenset[str]:
+    """The kernels an ``HSTU_TRITON_TMA`` value turns descriptors on for."""
+    setting = setting.strip()
+    if setting in ("", "1"):
+        return _TMA_DEFAULT
+    if setting == "0":
+        return frozenset()
+    names = frozenset(x.strip() for x in setting.split(",") if x.strip())
+    unknown = names - set(TILE_KERNELS)
+    if unknown:
+        raise ValueError(
+            f"HSTU_TRITON_TMA: unknown kernel(s) {sorted(unknown)}; expected 0, 1 or a "
+            f"comma-separated list of {TILE_KERNELS}"
+        )
+    return names
+
+
+_TMA_KERNELS = _tma_kernels(os.environ.get("HSTU_TRITON_TMA", "1"))
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -157,11 +178,11 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def use_tma(*tensors: torch.Tensor) -> bool:
-    """Whether the forward / dq kernels load ``tensors`` ([T, H, D] each) through tensor
-    descriptors: enabled, on sm_90+ (or the interpreter), with 16-byte aligned base pointers
-    and row / head strides and a contiguous last dim, as TMA requires."""
-    if not _TMA_ENABLED:
+def use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether ``kernel`` loads ``tensors`` ([T, H, D] each) through tensor descriptors:
+    enabled for it (``HSTU_TRITON_TMA``), on sm_90+ (or the interpreter), with 16-byte
+    aligned base pointers and row / head strides and a contiguous last dim, as TMA requires."""
+    if kernel not in _TMA_KERNELS:
         return False
     first = tensors[0]
     if not is_interpret_mode() and (
@@ -360,7 +381,7 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
     so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
     P = rp_.shape[1] if rp_ is not None else 1
     TB = rt_.shape[1] if rt_ is not None else 1
-    tma = use_tma(q, k, v)
+    tma = use_tma("fwd", q, k, v)
     with _device_ctx(q):
         if tma:
             _ensure_allocator()
@@ -422,12 +443,15 @@ def _bwd_impl(
             tsr = _time_range(ts, so) if rt_ is not None else so
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
             paths = _time_paths(rt_)
+            tma = use_tma("fused" if fused else "dkdv", q, k, v, grad_out)
+            if tma:
+                _ensure_allocator()
             if fused:
                 for has_time in paths:
                     _hstu_bwd_fused_kernel[grid](
                         q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, tsr, rp, rt,
                         *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G, H,
-                        *scalars, OUT_LIKE_IN=dkdv_like,
+                        *scalars, OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
             else:
@@ -435,14 +459,14 @@ def _bwd_impl(
                     _hstu_bwd_dkdv_kernel[grid](
                         q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
                         *inputs, *dkdv_out, *tables, table, G, H, *scalars,
-                        OUT_LIKE_IN=dkdv_like,
+                        OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
                 pos_mode, time_mode = _table_grad_modes(
                     pos_grad, time_grad, q.shape[2], P, max_seqlen
                 )
-                tma = use_tma(q, k, v, grad_out)
+                tma = use_tma("dq", q, k, v, grad_out)
                 if tma:
                     _ensure_allocator()
                 for has_time in paths:

@@ -228,30 +228,51 @@ def test_hstu_attention_matches_reference(mode, case, dtype, tiles):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_descriptor_and_pointer_loads_give_the_same_attention(mode, monkeypatch, spy_launches):
-    """The forward and dq kernels read a sample's rows through tensor descriptors (TMA) where
-    the inputs allow it, else through pointer tiles (`HSTU_TRITON_TMA=0`: always): the two give
-    the same output and gradients on jagged samples with contextual and candidate tokens, both
-    biases and capacity padding (a Dv of 24, so the descriptors' column tail reads zeros)."""
+@pytest.mark.parametrize("backward", ["split", "fused"])
+def test_descriptor_and_pointer_loads_give_the_same_attention(
+    mode, backward, monkeypatch, spy_launches
+):
+    """Each kernel reads a sample's rows through tensor descriptors (TMA) where it is enabled
+    (`HSTU_TRITON_TMA`) and the inputs allow it, else through pointer tiles: the two give the
+    same output and gradients on jagged samples with contextual and candidate tokens, capacity
+    padding and a Dv of 24 (the descriptors' column tail reads zeros); split with both biases
+    and their tables' gradients, fused with the biases frozen (with table gradients it runs
+    split)."""
     case, dtype = "ctx_cand_rab", torch.float32
     qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, 1234)
-    fwd = spy_launches(_launch, "_hstu_fwd_kernel")
-    dq = spy_launches(_launch, "_hstu_bwd_dq_kernel")
+    names = ["_hstu_fwd_kernel", "_hstu_bwd_dq_kernel"]
+    names.append("_hstu_bwd_fused_kernel" if backward == "fused" else "_hstu_bwd_dkdv_kernel")
+    spies = [spy_launches(_launch, name) for name in names]
+    train_tables = backward == "split"
 
     def run():
         leaves = [x.clone().requires_grad_() for x in qkv]
-        tabs = [t.clone().requires_grad_() for t in tables.values()]
-        out = hstu_attention(*leaves, offsets, **kw, **dict(zip(tables, tabs)))
-        return out, torch.autograd.grad(out, leaves + tabs, grad_out)
+        tabs = [t.clone().requires_grad_(train_tables) for t in tables.values()]
+        out = hstu_attention(*leaves, offsets, **kw, **dict(zip(tables, tabs)), backward=backward)
+        wrt = leaves + (tabs if train_tables else [])
+        return out, torch.autograd.grad(out, wrt, grad_out)
 
+    monkeypatch.setattr(_launch, "_TMA_KERNELS", frozenset(_launch.TILE_KERNELS))
     out_tma, grads_tma = run()
-    assert fwd.meta[-1]["TMA"] and dq.meta[-1]["TMA"]
-    monkeypatch.setattr(_launch, "_TMA_ENABLED", False)
+    assert all(spy.meta[-1]["TMA"] for spy in spies if spy.meta)
+    assert len([spy for spy in spies if spy.meta]) == (2 if backward == "fused" else 3)
+    monkeypatch.setattr(_launch, "_TMA_KERNELS", frozenset())
     out_ptr, grads_ptr = run()
-    assert not fwd.meta[-1]["TMA"] and not dq.meta[-1]["TMA"]
+    assert not any(spy.meta[-1]["TMA"] for spy in spies if spy.meta)
     _assert_close(out_tma, out_ptr, 1e-6, "out")
-    for name, a, b in zip(["q", "k", "v", *tables], grads_tma, grads_ptr, strict=True):
-        _assert_close(a, b, 1e-6, f"d{name}")
+    for name, a, b in zip(["q", "k", "v", *tables], grads_tma, grads_ptr, strict=False):
+        _assert_close(a, b, 1e-5 if backward == "fused" else 1e-6, f"d{name}")
+
+
+def test_tma_setting_names_kernels():
+    """`HSTU_TRITON_TMA`: 1 (or unset) the measured set, 0 none, else a list of kernels; a
+    name that is not a kernel is refused with the valid ones."""
+    assert _launch._tma_kernels("1") == _launch._TMA_DEFAULT == {"fwd", "dq"}
+    assert _launch._tma_kernels("") == _launch._TMA_DEFAULT
+    assert _launch._tma_kernels("0") == frozenset()
+    assert _launch._tma_kernels("fwd, dkdv,dq") == {"fwd", "dkdv", "dq"}
+    with pytest.raises(ValueError, match=r"unknown kernel\(s\) \['bwd'\].*fused"):
+        _launch._tma_kernels("fwd,bwd")
 
 
 def test_package_names_the_function_whichever_module_loads_the_kernels_first():
@@ -274,18 +295,20 @@ def test_package_names_the_function_whichever_module_loads_the_kernels_first():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-def test_descriptors_only_where_tma_can_address_the_rows():
+def test_descriptors_only_where_tma_can_address_the_rows(monkeypatch):
     """`use_tma`: 16-byte aligned base pointers and row / head strides and a contiguous last
     dim, else pointer loads (the kernels then run as before)."""
+    monkeypatch.setattr(_launch, "_TMA_KERNELS", _launch._TMA_DEFAULT)
     dev = torch.device("cpu" if _INTERPRET else "cuda")
     x = torch.zeros(10, 2, 16, device=dev)
     if not _INTERPRET and torch.cuda.get_device_capability()[0] < 9:
-        assert not _launch.use_tma(x)  # no TMA before Hopper
+        assert not _launch.use_tma("fwd", x)  # no TMA before Hopper
         return
-    assert _launch.use_tma(x, x)
-    assert not _launch.use_tma(x.view(-1)[1:161].view(10, 1, 16))  # base 4 bytes off
-    assert not _launch.use_tma(torch.zeros(10, 2, 18, device=dev, dtype=torch.bfloat16))
-    assert not _launch.use_tma(torch.zeros(10, 16, 2, device=dev).transpose(1, 2))
+    assert _launch.use_tma("fwd", x, x)
+    assert not _launch.use_tma("fwd", x.view(-1)[1:161].view(10, 1, 16))  # base 4 bytes off
+    assert not _launch.use_tma("fwd", torch.zeros(10, 2, 18, device=dev, dtype=torch.bfloat16))
+    assert not _launch.use_tma("fwd", torch.zeros(10, 16, 2, device=dev).transpose(1, 2))
+    assert not _launch.use_tma("dkdv", x)  # kernels outside the setting keep pointer tiles
 
 
 # (case, dtype, tiles, table grads): the fused backward on the masks, biases in the logits
