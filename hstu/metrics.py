@@ -194,6 +194,24 @@ def timed_rows(rows: list[dict], skip_warmup: int = 1) -> list[dict]:
     return use or rows[skip_warmup:] or rows
 
 
+def build_seconds(rows: list[dict], skip_warmup: int = 1) -> float:
+    """Seconds the run's steps spent building programs: over the first step and each step
+    that built a new one (a JAX compile, a torch CUDA-graph capture: `num_compiles` rises),
+    the time above the median of the timed steps (`timed_rows`). The same for both backends,
+    from the metrics rows alone; what a run pays once, which the median step leaves out."""
+    use = timed_rows(rows, skip_warmup)
+    if not rows or not use:
+        return 0.0
+    median = statistics.median(r["step_time_s"] for r in use)
+    return float(
+        sum(
+            max(0.0, r["step_time_s"] - median)
+            for i, r in enumerate(rows)
+            if i == 0 or _compiled(rows, i)
+        )
+    )
+
+
 def summarize(rows: list[dict], skip_warmup: int = 1) -> dict[str, float]:
     """Medians over `timed_rows`; how many steps that is is `steps_timed`."""
     if not rows:

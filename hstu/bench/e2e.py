@@ -50,7 +50,7 @@ from hstu.backends import check_names as check_backend_names
 from hstu.config import load_config
 from hstu.errors import HSTUError
 from hstu.launch_checks import child_env
-from hstu.metrics import read_rows, timed_rows
+from hstu.metrics import build_seconds, read_rows, timed_rows
 from hstu.pipeline import HOST_PHASES, imbalance_of
 
 DEVICE_PHASES = ("forward", "backward", "grad_reduce", "optimizer")
@@ -109,6 +109,8 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
         # and scripts/padding_table.py count it (a median hides the few heavily padded steps)
         "padding_waste": float(np.mean([r["padding_waste"] for r in rows])),
         "num_compiles": max(r.get("num_compiles", 0) for r in rows),
+        # what the programs' builds (compiles, graph captures) cost a run, the mean over runs
+        "compile_s": float(np.mean([build_seconds(run, skip_warmup=2) for run in runs])),
         "loss_last": runs[-1][-1]["loss"],
         # means, not medians: they add up, so the phases account for the mean step exactly
         "step_mean_ms": 1e3 * float(np.mean(step)),
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(p90 {r['step_p90_ms']:.2f}), {r['tflops_per_device']:.1f} TFLOP/s, "
                 f"imbalance FLOPs {r['imbalance_flops_before']:.2f} -> "
                 f"{r['imbalance_flops_after']:.2f}, time {r['imbalance_time_before']:.2f} -> "
-                f"{r['imbalance_time_after']:.2f} ({time.time() - t0:.0f} s)",
+                f"{r['imbalance_time_after']:.2f}; {r['num_compiles']} programs built in "
+                f"{r['compile_s']:.0f} s of the run's {time.time() - t0:.0f} s",
                 flush=True,
             )
     results = {key: summarize_run(key_runs, world) for key, key_runs in runs.items()}

@@ -19,6 +19,7 @@ for _name in ("torch", "jax"):
 
 RUN_FIELDS = {
     "steps",
+    "compile_s",
     "steps_timed",
     "step_ms",
     "step_p90_ms",
@@ -76,6 +77,8 @@ def test_e2e_bench_on_the_demo_recipe(tmp_path, capsys):
         assert r["speedup_runs"] == [pytest.approx(r["speedup"])]
         assert r["mfu"] is None and r["max_memory_gib"] is None  # no peak, no device memory
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["steps_timed"] >= 3
+        if key.startswith("jax/"):  # every new shape bucket compiles (seconds on a CPU)
+            assert r["num_compiles"] >= 1 and r["compile_s"] > 1e-3 * r["step_ms"]
         # the host phases are the step as the host sees it: they account for it exactly
         assert set(r["host_ms"]) == set(HOST_PHASES)
         assert r["host_sum_ms"] == pytest.approx(r["step_mean_ms"], rel=1e-6)
@@ -321,6 +324,23 @@ def test_padding_is_the_mean_over_every_step():
     out = summarize_run([[row(i, w) for i, w in enumerate(wastes)]], world=1)
     assert out["padding_waste"] == pytest.approx(0.1)
     assert out["num_compiles"] == 1 and out["steps"] == 10
+
+
+def test_build_time_is_what_the_building_steps_take_above_the_median():
+    """`compile_s`: the first step and each step whose program count rises (or whose next
+    row's does: its loop iteration dispatched the next step) count their time above the
+    median of the timed steps; a slow step that built nothing does not count."""
+    from hstu.metrics import build_seconds
+
+    times = [3.0, 0.1, 0.1, 2.1, 0.1, 0.1, 0.6, 0.1, 0.1, 0.1]
+    counts = [1, 1, 1, 1, 2, 2, 2, 2, 2, 2]  # row 4's count rises: rows 3 and 4 built
+    rows = [
+        {"step": i, "step_time_s": t, "num_compiles": c}
+        for i, (t, c) in enumerate(zip(times, counts, strict=True))
+    ]
+    # timed: rows 2, 5..9 (row 6's 0.6 s among them): median 0.1
+    assert build_seconds(rows, skip_warmup=2) == pytest.approx((3.0 - 0.1) + (2.1 - 0.1))
+    assert build_seconds([], skip_warmup=2) == 0.0
 
 
 def test_breakdown_of_a_step_graph_reports_its_one_device_phase():
