@@ -238,6 +238,12 @@ class TrainConfig:
         "torch on CUDA: replay the step from CUDA graphs, one per token capacity (what: "
         "train.graph_scope; no effect in jax, whose step is one compiled program already)",
     )
+    build_ahead: bool = _opt(
+        False,
+        "jax: build the step program of every token capacity of the capacity policy at the "
+        "first step, compiled in parallel threads, instead of each at its capacity's first "
+        "step (the run pays the longest compile, not their sum; no effect in torch)",
+    )
     graph_scope: str = _opt(
         "auto",
         "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "

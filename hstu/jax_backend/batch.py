@@ -124,6 +124,23 @@ def spec_for_lengths(
     return spec.with_capacities(caps, t_cap)
 
 
+def spec_at_capacity(spec: BatchSpec, t_cap: int) -> BatchSpec | None:
+    """The spec `spec_for_lengths` gives a batch of `spec`'s keys at token capacity `t_cap`:
+    every key's capacity derives from T (retrieval's negatives from `spec`'s R negatives per
+    target), so a capacity names its batch shapes before any such batch exists (the step
+    programs built ahead). None where a key's capacity does not derive from T."""
+    half = spec.token_capacity // 2
+    caps = []
+    for key, cap in zip(spec.keys, spec.capacities, strict=True):
+        if key in TOKEN_BOUNDED:
+            caps.append(t_cap // TOKEN_BOUNDED[key])
+        elif key == "negative" and half and cap % half == 0 and cap:
+            caps.append(cap // half * (t_cap // 2))
+        else:
+            return None
+    return spec.with_capacities(caps, t_cap)
+
+
 def negatives_per_target(lengths: dict[str, np.ndarray]) -> int:
     """R of retrieval samples, whose `negative` length is R * (len(item) - 1) (checked on the
     host before any batch gets here); 0 when no sample has a target."""

@@ -17,7 +17,9 @@ update, then AdamW on the dense params; all one jitted program, over the same ax
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -28,7 +30,13 @@ from jax.sharding import PartitionSpec as P
 from hstu.errors import HSTUError
 from hstu.jax_backend import collectives as col
 from hstu.jax_backend import embedding as emb
-from hstu.jax_backend.batch import DeviceBatch, local_view
+from hstu.jax_backend.batch import (
+    DeviceBatch,
+    PackedBatch,
+    local_view,
+    packed_width,
+    spec_at_capacity,
+)
 from hstu.jax_backend.model import HSTUModel
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
 from hstu.jax_backend.state import TrainState, init_sharded_state, init_state, make_optimizer
@@ -273,8 +281,13 @@ class JaxBackend:
         model: HSTUModel | None = None,
         optimizer: optax.GradientTransformation | None = None,
         tables: emb.EmbeddingSetup | None = None,
+        build_ahead: Sequence[int] = (),
     ):
+        """`build_ahead`: token capacities whose step programs are built at the first step,
+        in parallel (`train.build_ahead`; the capacity policy's), beside its own."""
         self.shuffler, self.step_fn, self.state = shuffler, step_fn, state
+        self.build_ahead = tuple(build_ahead)
+        self._built: dict | None = None  # BatchSpec -> compiled step, after the first step
         self.model, self.optimizer = model, optimizer  # for `probe` (benchmarks)
         self.tables = tables  # sharded embedding tables (state.tables), or None
         self._full: tuple = (None, None)  # (state, its params with the tables gathered)
@@ -317,8 +330,41 @@ class JaxBackend:
         tokens = placed.loss_tokens_device
         if tokens is None:
             tokens = np.float32(global_loss_tokens)
-        self.state, metrics = self.step_fn(self.state, placed.batch, tokens)
+        if self._built is None and self.build_ahead and isinstance(tokens, jax.Array):
+            self._build(placed.batch, tokens)
+        step = None
+        if self._built and isinstance(tokens, jax.Array):
+            step = self._built.get(placed.batch.spec)
+        self.state, metrics = (step or self.step_fn)(self.state, placed.batch, tokens)
         return metrics, placed
+
+    def _build(self, batch: PackedBatch, tokens: jax.Array) -> None:
+        """The step programs of `batch`'s capacity and of every capacity in `build_ahead`,
+        lowered here one by one and compiled in threads at once (XLA compiles without the
+        GIL), before the first step runs: a capacity's first step then finds its program
+        built, and the run pays the longest compile instead of their sum. Nothing of a
+        later step runs meanwhile, so no compile shares the devices with training (XLA's
+        GPU autotuning times kernels on them). A capacity whose batch shapes do not follow
+        from it (`spec_at_capacity`), or a batch past every capacity, compiles at its first
+        step as before."""
+        self._built = {}
+        if not isinstance(batch, PackedBatch):
+            return
+        buf = batch.buffer
+        specs = {batch.spec: batch}
+        for t_cap in self.build_ahead:
+            spec = spec_at_capacity(batch.spec, t_cap)
+            if spec is not None and spec not in specs:
+                shape = (buf.shape[0], packed_width(spec))
+                abstract = jax.ShapeDtypeStruct(shape, buf.dtype, sharding=buf.sharding)
+                specs[spec] = PackedBatch(abstract, spec)
+        lowered = {s: self.step_fn.lower(self.state, b, tokens) for s, b in specs.items()}
+        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hstu-build") as pool:
+            built = {s: pool.submit(low.compile) for s, low in lowered.items()}
+            self._built = {s: future.result() for s, future in built.items()}
+        for spec in self._built:
+            self.shuffler.compiled.add(("train_step", spec))
 
     def optimizer_step(self, handle):
         metrics, placed = handle  # the update was dispatched with the step: start the copies
@@ -483,6 +529,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
         model,
         optimizer,
         setup,
+        build_ahead=policy.capacities if tc.build_ahead else (),
     )
 
     def set_state(tree: dict) -> None:

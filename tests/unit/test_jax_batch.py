@@ -136,6 +136,32 @@ def test_spec_capacities_derive_from_tokens():
         assert spec.capacity(key) >= max(int(b.lengths[key].sum()) for b in hosts)
 
 
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_a_capacity_names_its_batch_shapes(task):
+    """`spec_at_capacity`: the spec any batch of the same keys at token capacity T gets from
+    its lengths, known from T alone (the programs built ahead take it): for each global
+    batch, the spec of another batch moved to this one's capacity is this one's spec."""
+    from hstu.capacity import CapacityPolicy
+
+    policy = CapacityPolicy((256, 512, 768, 1024, 1536))
+    specs = []
+    for index in range(6):
+        hosts = _batches(task, world=2, index=index)
+        lengths = {k: np.stack([b.lengths[k] for b in hosts]) for k in hosts[0].keys}
+        specs.append(jb.spec_for_lengths(jb.spec_from_batches(hosts), lengths, policy.capacity))
+    assert len({s.token_capacity for s in specs}) >= 2  # the draws span capacities
+    for spec in specs:
+        for other in specs:
+            assert jb.spec_at_capacity(other, spec.token_capacity) == spec
+    # a key whose capacity does not follow from T (negatives with no R to scale): no spec
+    if task == "retrieval":
+        odd = specs[0].with_capacities(
+            [c + 1 if k == "negative" else c for k, c in zip(specs[0].keys, specs[0].capacities)],
+            specs[0].token_capacity,
+        )
+        assert jb.spec_at_capacity(odd, 512) is None
+
+
 def test_stats_gather_is_exact_int64(mesh):
     stats = np.array([[2**40 + 3, -7, 0], [1, 2**62, -(2**50)]], dtype=np.int64)
     assert np.array_equal(col.allgather_stats(mesh, stats), stats)

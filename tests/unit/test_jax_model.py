@@ -291,13 +291,16 @@ def test_checkpoint_step_names_keep_latest_and_restore(tmp_path):
 
 
 # ------------------------------------------------------------------ the backend's step
-def _backend(cfg, table_rows: bool = True) -> JaxBackend:
+def _backend(cfg, table_rows: bool = True, policy=None, donate: bool = False) -> JaxBackend:
     mesh = col.make_mesh(jax.devices()[:1])
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=True)
     opt = make_optimizer(cfg.train)
     state = init_state(init_params(cfg.model, seed=0), opt, mesh, cfg.train.seed)
-    step = make_train_step(model, opt, mesh, donate=False, table_rows=table_rows)
-    return JaxBackend(JaxShuffler(mesh), step, state, model, opt)
+    step = make_train_step(model, opt, mesh, donate=donate, table_rows=table_rows)
+    if policy is None:
+        return JaxBackend(JaxShuffler(mesh), step, state, model, opt)
+    shuffler = JaxShuffler(mesh, capacity=policy.capacity)
+    return JaxBackend(shuffler, step, state, model, opt, build_ahead=policy.capacities)
 
 
 def _placed(backend: JaxBackend, cfg, host, gather: bool = True):
@@ -365,3 +368,34 @@ def test_item_table_gradient_from_its_rows_trains_as_the_dense_one(task):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     init = init_params(cfg.model, seed=0)["embedding.item"]
     assert (np.abs(got_p["embedding"]["item"] - init).max(axis=1) > 0).all()
+
+
+@pytest.mark.slow  # ~28 s: six programs compiled
+def test_programs_built_ahead_train_as_the_jitted_step():
+    """`train.build_ahead`: at the first step every capacity's program is built (compiled in
+    threads), the later steps run them: the same losses as the step compiled at each
+    capacity's first use, every program counted from the first step on, and nothing
+    compiled by the jitted step itself (donated state, as in training)."""
+    from hstu.capacity import CapacityPolicy
+
+    cfg = _cfg("ranking", "model.num_layers=1", "data.num_samples=24")
+    ds = dataset_from_config(cfg, 1, 0)
+    tokens = [ds.batch(i).num_real_tokens() for i in range(4)]
+    fits = {-(-t // 8) * 8 for t in tokens}  # a capacity per batch, and one none takes
+    policy = CapacityPolicy(tuple(sorted(fits | {max(fits) + 64})))
+    ahead, plain = _backend(cfg, policy=policy, donate=True), _backend(cfg, donate=True)
+    plain.shuffler.capacity = policy.capacity
+    losses, counts = {"ahead": [], "plain": []}, []
+    for i in range(4):
+        for name, backend in (("ahead", ahead), ("plain", plain)):
+            p, count = _placed(backend, cfg, [ds.batch(i)])
+            metrics = backend.fetch_metrics(
+                backend.optimizer_step(backend.forward_backward(p, count))
+            )
+            losses[name].append(metrics["loss"])
+            if name == "ahead":
+                counts.append(metrics["num_compiles"])
+    assert len(fits) >= 2  # the batches span capacities
+    assert losses["ahead"] == losses["plain"]
+    assert counts == [len(policy.capacities)] * 4 and len(ahead._built) == len(policy.capacities)
+    assert ahead.step_fn._cache_size() == 0 and plain.step_fn._cache_size() >= 2
