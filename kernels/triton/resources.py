@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
 from ._forward import _hstu_fwd_kernel
-from ._launch import TILE_KERNELS, BlockSizes, _block_d, default_block_sizes
+from ._launch import _TMA_KERNELS, TILE_KERNELS, BlockSizes, _block_d, default_block_sizes
 
 _FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel,
        "fused": _hstu_bwd_fused_kernel}  # fmt: skip
@@ -70,11 +70,16 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
     raise RuntimeError("no ptxas compiled the kernel: " + " | ".join(errors or ["none found"]))
 
 
-def resources(kernel: str, dim: int, tiles: BlockSizes, arch: int = 90, tma: bool = True) -> dict:
+def resources(
+    kernel: str, dim: int, tiles: BlockSizes, arch: int = 90, tma: bool | None = None
+) -> dict:
     """Compile ``kernel`` for head dim ``dim`` with ``tiles`` for sm_``arch``: registers per
-    thread, spill store / load bytes per thread, shared memory bytes. ``tma``: the forward and
-    dq kernels load through tensor descriptors, as they do on Hopper (else pointer tiles)."""
+    thread, spill store / load bytes per thread, shared memory bytes. ``tma``: the kernel loads
+    through tensor descriptors (else pointer tiles); None: as the launch does on Hopper
+    (``HSTU_TRITON_TMA``, by default the forward and dq)."""
     fn = _FN[kernel]
+    if tma is None:
+        tma = kernel in _TMA_KERNELS
     consts = dict(
         DQK=dim, DV=dim, BLOCK_DQK=_block_d(dim), BLOCK_DV=_block_d(dim),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
@@ -127,18 +132,22 @@ def main(argv=None) -> None:
         "--tiles", nargs="*", default=[], help="extra tiles: block_m,block_n,warps,stages"
     )
     ap.add_argument(
-        "--loads", choices=("tma", "pointers"), default="tma", help="forward / dq tile loads"
+        "--loads",
+        choices=("launch", "tma", "pointers"),
+        default="launch",
+        help="tile loads of every kernel (launch: each kernel's as HSTU_TRITON_TMA sets them)",
     )
     args = ap.parse_args(argv)
     extra = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles]
     print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16, "
-          f"forward / dq loads: {args.loads}")  # fmt: skip
+          f"loads: {args.loads}")  # fmt: skip
     head = ("kernel", "tiles (m, n, warps, stages)", "regs", "spill st/ld B", "smem B")
     print("{:>6} {:>28} {:>5} {:>14} {:>8}".format(*head))
     for kernel in args.kernels.split(","):
         default = default_block_sizes(args.dim, kernel)
         for tiles in [default, *(t for t in extra if t != default)]:
-            r = resources(kernel, args.dim, tiles, args.arch, args.loads == "tma")
+            tma = None if args.loads == "launch" else args.loads == "tma"
+            r = resources(kernel, args.dim, tiles, args.arch, tma)
             tag = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.num_warps,
                                             tiles.num_stages))  # fmt: skip
             tag += " (default)" if tiles == default else ""
