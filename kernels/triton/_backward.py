@@ -19,8 +19,8 @@ from ._common import (
     _reduce_max,
     _reduce_min,
     _reduce_sum,
-    _rows_desc,
     _sample_info,
+    _sample_sources,
     _sigmoid,
     _store_rows,
     _time_bucket,
@@ -126,13 +126,10 @@ def _dkdv_program(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows_n = seq_start + offs_n
         in_n = offs_n < n
-        if TMA:
-            Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
-            DOs = _rows_desc(DO, seq_start, n, stride_dot, DV, BLOCK_M, BLOCK_DV)
-            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
-            Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
-        else:
-            Qs, DOs, Ks, Vs = Q, DO, K, V
+        Qs, Ks, Vs, DOs = _sample_sources(
+            Q, K, V, DO, seq_start, n, stride_qt, stride_kt, stride_vt, stride_dot, DQK, DV,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA,
+        )  # fmt: skip
         k = _load_tile(Ks, n0, rows_n, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
         v = _load_tile(Vs, n0, rows_n, in_n, stride_vt, DV, BLOCK_DV, TMA)
         ts_k = 0
@@ -356,13 +353,10 @@ def _hstu_bwd_dq_kernel(
         in_m = offs_m < n
         # the tiles' sources: the sample's rows through descriptors (tiles past its end read
         # as zeros), or the head slices
-        if TMA:
-            Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
-            DOs = _rows_desc(DO, seq_start, n, stride_dot, DV, BLOCK_M, BLOCK_DV)
-            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
-            Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
-        else:
-            Qs, DOs, Ks, Vs = Q, DO, K, V
+        Qs, Ks, Vs, DOs = _sample_sources(
+            Q, K, V, DO, seq_start, n, stride_qt, stride_kt, stride_vt, stride_dot, DQK, DV,
+            BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA,
+        )  # fmt: skip
         q = _load_tile(Qs, m0, rows_m, in_m, stride_qt, DQK, BLOCK_DQK, TMA)
         do = _load_tile(DOs, m0, rows_m, in_m, stride_dot, DV, BLOCK_DV, TMA)
         ts_q = 0

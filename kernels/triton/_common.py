@@ -344,6 +344,25 @@ def _rows_desc(Ptr, seq_start, n, stride, D: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def _sample_sources(
+    Q, K, V, DO, seq_start, n, stride_qt, stride_kt, stride_vt, stride_dot,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Where a backward program's tiles come from (``_load_tile``'s ``Src``): with ``TMA``
+    descriptors over the sample's rows, q and dO in tiles of ``BLOCK_M`` rows and k and v of
+    ``BLOCK_N`` (tiles past its end read as zeros), else the head slices themselves."""
+    if TMA:
+        Qs = _rows_desc(Q, seq_start, n, stride_qt, DQK, BLOCK_M, BLOCK_DQK)
+        DOs = _rows_desc(DO, seq_start, n, stride_dot, DV, BLOCK_M, BLOCK_DV)
+        Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
+        Vs = _rows_desc(V, seq_start, n, stride_vt, DV, BLOCK_N, BLOCK_DV)
+    else:
+        Qs, Ks, Vs, DOs = Q, K, V, DO
+    return Qs, Ks, Vs, DOs
+
+
+@triton.jit
 def _load_tile(Src, start, rows, in_rows, stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
                TMA: tl.constexpr):  # fmt: skip
     """The tile of rows ``start + [0, len(rows))`` of a sample: through its descriptor
