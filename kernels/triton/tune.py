@@ -5,8 +5,11 @@
 
 For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
 shaped like ``configs/bench_upstream.yaml`` (``hstu_kernels.tune_cases``). Each forward candidate
-is timed forward only, each backward candidate backward only (the autograd graph of one
-forward replayed with ``retain_graph``), both as CUDA-event medians; every candidate's
+is timed forward only, each backward candidate backward only: forward + backward less the
+forward at its default tiles, each the device time of ``--calls`` calls captured in one CUDA
+graph (``bench.graph_time_ms``, median over ``--repeats`` replays; as the training step and
+``scripts/attention_jagged.py`` run them: eager calls timed by events carry the host's launch
+gaps, which moved the jagged batch's figures by up to 10 % between two runs). Every candidate's
 output and gradients are first compared with the built-in default's (a tile that computes
 something else is reported, never timed). ``fused`` rows time the fused backward
 (``backward="fused"``, one kernel on the dk/dv tiles) against the split default's gradients.
@@ -22,7 +25,7 @@ import triton
 from ..tiles import KERNELS
 from ..tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs, sweep_table
 from ._launch import BlockSizes, default_block_sizes
-from .bench import _time_ms
+from .bench import graph_time_ms
 from .hstu_attention import hstu_attention
 
 FWD_CANDIDATES = [
@@ -73,7 +76,7 @@ def _rel_err(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES), only=None):
+def _sweep_case(case, dim, heads, calls, repeats, tol, passes=tuple(PASSES), only=None):
     """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others' tiles
     at their defaults; forward timed alone, backward tiles by the backward alone (``fused``:
     the fused backward with the candidate as its tiles, checked against split's gradients)."""
@@ -89,8 +92,14 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES), on
     def attention(tiles, backward="split"):
         return hstu_attention(q, k, v, offsets, **kw, block_sizes=tiles, backward=backward)
 
+    def forward(tiles):
+        with torch.no_grad():
+            attention(tiles)
+
     ref_out = attention(blocks("fwd", defaults["fwd"]))
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), grad)
+    # what the backward rows leave out of their forward + backward: the default forward
+    fwd_ms = graph_time_ms(lambda: forward(blocks("fwd", defaults["fwd"])), calls, repeats)
     rows = []
     for kern in passes:
         for bs in PASSES[kern] if only is None else only:
@@ -105,18 +114,16 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol, passes=tuple(PASSES), on
                 if err > tol:
                     rows.append((kern, bs, float("nan"), f"differs: {err:.1e}"))
                     continue
+                del out
                 if kern == "fwd":
-
-                    def fn(tiles=tiles):
-                        with torch.no_grad():
-                            attention(tiles)
-
+                    ms = graph_time_ms(lambda tiles=tiles: forward(tiles), calls, repeats)
                 else:
+                    mode = "fused" if kern == "fused" else "split"
 
-                    def fn(out=out):
-                        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+                    def fwd_bwd(tiles=tiles, mode=mode):
+                        torch.autograd.grad(attention(tiles, mode), (q, k, v), grad)
 
-                ms = _time_ms(fn, warmup, repeats)
+                    ms = graph_time_ms(fwd_bwd, calls, repeats) - fwd_ms
                 flops = fwd_flops * (1.0 if kern == "fwd" else 2.5)
                 rows.append((kern, bs, ms, f"{flops / ms / 1e9:.0f} TF/s"))
             except Exception as exc:  # e.g. triton's OutOfResources: report, go on
@@ -130,8 +137,8 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=10, help="calls per captured graph")
+    ap.add_argument("--repeats", type=int, default=20, help="graph replays (median)")
     ap.add_argument("--tol", type=float, default=2e-2, help="bf16 rel. error vs the default")
     ap.add_argument("--kernels", default=",".join(PASSES), help="the passes to sweep")
     ap.add_argument(
@@ -155,7 +162,7 @@ def main(argv=None) -> None:
                   args.heads, dim, args.seqlen),
             _case("jagged", lengths, cand, 4, args.heads, dim, MAX_SEQLEN),
         ]  # fmt: skip
-        results = {c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol,
+        results = {c["name"]: _sweep_case(c, dim, args.heads, args.calls, args.repeats, args.tol,
                                           passes, only) for c in cases}  # fmt: skip
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
         print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq / fused rows: backward time)")
