@@ -18,6 +18,7 @@ update, then AdamW on the dense params; all one jitted program, over the same ax
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -358,6 +359,7 @@ class JaxBackend:
                 shape = (buf.shape[0], packed_width(spec))
                 abstract = jax.ShapeDtypeStruct(shape, buf.dtype, sharding=buf.sharding)
                 specs[spec] = PackedBatch(abstract, spec)
+        t0 = time.perf_counter()
         lowered = {s: self.step_fn.lower(self.state, b, tokens) for s, b in specs.items()}
         workers = max(1, min(len(lowered), os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="hstu-build") as pool:
@@ -365,6 +367,13 @@ class JaxBackend:
             self._built = {s: future.result() for s, future in built.items()}
         for spec in self._built:
             self.shuffler.compiled.add(("train_step", spec))
+        if self.is_main:
+            caps = ", ".join(str(s.token_capacity) for s in self._built)
+            print(
+                f"train.build_ahead: {len(self._built)} step programs (token capacities {caps}) "
+                f"built in {time.perf_counter() - t0:.1f} s, {workers} at a time",
+                flush=True,
+            )
 
     def optimizer_step(self, handle):
         metrics, placed = handle  # the update was dispatched with the step: start the copies
