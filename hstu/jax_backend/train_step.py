@@ -361,7 +361,10 @@ class JaxBackend:
                 specs[spec] = PackedBatch(abstract, spec)
         t0 = time.perf_counter()
         lowered = {s: self.step_fn.lower(self.state, b, tokens) for s, b in specs.items()}
-        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        # the cores this process may run on (a launcher that binds each process to its own
+        # share of the host's cores is obeyed)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        workers = max(1, min(len(lowered), cores or os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="hstu-build") as pool:
             built = {s: pool.submit(low.compile) for s, low in lowered.items()}
             self._built = {s: future.result() for s, future in built.items()}
