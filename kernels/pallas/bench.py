@@ -23,14 +23,16 @@ from .hstu_attention import BlockSizes, hstu_attention
 from .reference import hstu_attention_reference
 
 
-def _median_time(fn, args, warmup: int, repeats: int) -> float:
+def _median_time(fn, args, warmup: int, repeats: int, calls: int = 1) -> float:
+    """Median seconds per call: each repeat dispatches ``calls`` calls back to back and waits
+    once (``calls`` > 1: the dispatch latency is paid once per repeat, not per call)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        jax.block_until_ready([fn(*args) for _ in range(calls)])
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 

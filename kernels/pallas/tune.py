@@ -7,10 +7,11 @@ The Pallas twin of ``hstu_kernels.triton.tune``, on the same two batches: equal 
 (``hstu_kernels.tune_cases``). Forward candidates are timed forward only; a dk/dv or dq
 candidate is timed as forward + backward with the other kernels at their defaults (a
 custom_vjp's backward cannot be jitted alone through the public entry), so backward rows
-compare with each other, not with forward rows. Times: medians of ``block_until_ready``
-wall time after a compiling warm-up. Every candidate's output and gradients are first
-compared with the defaults' (a tile that computes something else is reported, never
-timed). The defaults in ``_common._TUNED`` come from this table.
+compare with each other, not with forward rows. Times: medians over ``--repeats`` of
+``--calls`` calls dispatched back to back before one ``block_until_ready`` (wall time per
+call after a compiling warm-up; one wait per repeat, not per call). Every candidate's
+output and gradients are first compared with the defaults' (a tile that computes something
+else is reported, never timed). The defaults in ``_common._TUNED`` come from this table.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _programs(case, tiles):
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def _sweep_case(case, dim, heads, warmup, repeats, tol):
+def _sweep_case(case, dim, heads, warmup, repeats, tol, calls=10):
     """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others'
     tiles at their defaults."""
     (q, k, v), g = case["qkv"], case["grad"]
@@ -100,10 +101,10 @@ def _sweep_case(case, dim, heads, warmup, repeats, tol):
                     rows.append((kern, bs, float("nan"), f"differs: {err:.1e}"))
                     continue
                 if kern == "fwd":
-                    sec = _median_time(fwd, (q, k, v), warmup, repeats)
+                    sec = _median_time(fwd, (q, k, v), warmup, repeats, calls)
                     flops = fwd_flops
                 else:
-                    sec = _median_time(fwd_bwd, (q, k, v, g), warmup, repeats)
+                    sec = _median_time(fwd_bwd, (q, k, v, g), warmup, repeats, calls)
                     flops = 3.5 * fwd_flops
                 rows.append((kern, bs, 1e3 * sec, f"{flops / sec / 1e12:.0f} TF/s"))
             except Exception as exc:  # e.g. a tile that does not fit in shared memory
@@ -119,6 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=10, help="calls back to back per repeat")
     ap.add_argument("--tol", type=float, default=2e-2, help="bf16 rel. error vs the default")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -134,7 +136,9 @@ def main(argv=None) -> None:
             _case("jagged", lengths, cand, 4, args.heads, dim, MAX_SEQLEN, rng),
         ]
         results = {
-            c["name"]: _sweep_case(c, dim, args.heads, args.warmup, args.repeats, args.tol)
+            c["name"]: _sweep_case(
+                c, dim, args.heads, args.warmup, args.repeats, args.tol, args.calls
+            )
             for c in cases
         }
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)

@@ -210,3 +210,18 @@ def test_default_tiles_per_kernel():
             assert default_block_sizes(dim, kernel, jnp.bfloat16, interpret=True) == BlockSizes()
     with pytest.raises(ValueError, match="kernel"):
         default_block_sizes(128, "bwd")
+
+
+def test_bench_timer_dispatches_calls_back_to_back():
+    """`bench._median_time(..., calls=N)`: each repeat runs N calls before one wait and
+    reports the time per call (the tile sweep's timer: one dispatch wait per repeat)."""
+    from hstu_kernels.pallas.bench import _median_time
+
+    seen = []
+
+    def fn(x):
+        seen.append(1)
+        return x + 1
+
+    sec = _median_time(fn, (jnp.ones(4),), warmup=1, repeats=2, calls=3)
+    assert len(seen) == 1 + 2 * 3 and 0 < sec < 1
