@@ -331,12 +331,12 @@ class JaxBackend:
         tokens = placed.loss_tokens_device
         if tokens is None:
             tokens = np.float32(global_loss_tokens)
-        if self._built is None and self.build_ahead and isinstance(tokens, jax.Array):
-            self._build(placed.batch, tokens)
-        step = None
-        if self._built and isinstance(tokens, jax.Array):
-            step = self._built.get(placed.batch.spec)
-        self.state, metrics = (step or self.step_fn)(self.state, placed.batch, tokens)
+        step = self.step_fn
+        if self.build_ahead and isinstance(tokens, jax.Array):  # what the programs were built for
+            if self._built is None:
+                self._build(placed.batch, tokens)
+            step = self._built.get(placed.batch.spec, step)
+        self.state, metrics = step(self.state, placed.batch, tokens)
         return metrics, placed
 
     def _build(self, batch: PackedBatch, tokens: jax.Array) -> None:
