@@ -73,13 +73,19 @@ def donated_tables_update(optimizer, setup, mesh) -> Callable:
     return jax.jit(update, donate_argnums=(0,))
 
 
+@jax.jit
+def _copy(state):
+    """A copy of every array of `state`, in one program (eager copies compile one per shape)."""
+    return jax.tree.map(jax.numpy.copy, state)
+
+
 def time_chained(fn: Callable, state, repeats: int) -> float:
     """Median seconds of `fn(state) -> (state, aux)`, a program that donates its state as the
     train step does: each call consumes the last one's output, on a copy of
     `state`, which is left alone. Timing such a program without donation also allocates and
     writes a second copy of the state every call: for bench_upstream's AdamW update on an
     H200, 3.1 against 1.3 ms (146.5M parameters: 1.8 GB of params and moments)."""
-    held = [jax.tree.map(jax.numpy.copy, state)]
+    held = [_copy(state)]
 
     def run():
         held[0], _ = fn(held[0])
@@ -119,9 +125,17 @@ class RankTimer:
         repeats: int = 3,
         forward_only: bool = False,
         looked_up: tuple[dict, dict] | None = None,
+        run_on=None,
     ) -> float:
-        """`looked_up`: `(ids, rows)` of `embedding.make_lookup` for `batch` (sharded tables)."""
-        p, b, t = jax.tree.map(lambda x: shard_on(x, device), (params, batch, looked_up))
+        """`looked_up`: `(ids, rows)` of `embedding.make_lookup` for `batch` (sharded tables).
+        `run_on`: the device that runs it (default `device`): `device`'s shard is copied there
+        first. A program is compiled per device it runs on, so timing every rank's shard on
+        one device of the same kind compiles each shape once instead of once per rank."""
+        run_on = device if run_on is None else run_on
+        p = jax.tree.map(lambda x: shard_on(x, run_on), params)  # replicated: run_on's replica
+        b, t = jax.tree.map(lambda x: shard_on(x, device), (batch, looked_up))
+        if run_on != device:
+            b, t = jax.device_put((b, t), run_on)
         ids, rows = t if t is not None else (None, None)
         fn = self._forward if forward_only else self._forward_backward
         glt = np.float32(global_loss_tokens)

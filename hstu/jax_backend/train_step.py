@@ -331,13 +331,18 @@ class JaxBackend:
         tokens = placed.loss_tokens_device
         if tokens is None:
             tokens = np.float32(global_loss_tokens)
-        step = self.step_fn
-        if self.build_ahead and isinstance(tokens, jax.Array):  # what the programs were built for
-            if self._built is None:
-                self._build(placed.batch, tokens)
-            step = self._built.get(placed.batch.spec, step)
+        if self.build_ahead and self._built is None and isinstance(tokens, jax.Array):
+            self._build(placed.batch, tokens)
+        step = self._program(placed.batch.spec, tokens)
         self.state, metrics = step(self.state, placed.batch, tokens)
         return metrics, placed
+
+    def _program(self, spec, tokens) -> Callable:
+        """The step for a batch of `spec`: its program built ahead (`_build`, which built for
+        the device scalar of the loss tokens), else the jitted step."""
+        if self._built and isinstance(tokens, jax.Array):
+            return self._built.get(spec, self.step_fn)
+        return self.step_fn
 
     def _build(self, batch: PackedBatch, tokens: jax.Array) -> None:
         """The step programs of `batch`'s capacity and of every capacity in `build_ahead`,
@@ -395,14 +400,15 @@ class JaxBackend:
         """Device timing of the step just fetched (`hstu bench e2e`); every process calls it.
 
         JAX fuses the step into one program, so its parts are timed as programs of their own
-        on the same arrays: each local rank's forward + backward alone on its device
-        (`compute_s_before` / `_after`: the batch as loaded and as balanced; with sharded
-        tables from the rows the step's lookup gives, as torch times them) and, with
-        `phases`, the forward alone, the whole step and the update alone (both in place, state
-        donated as in training, on a copy of the state; with sharded tables the update is the
-        dense params' and the tables' touched rows'); `grad_reduce` is what the step takes
-        beyond the slowest rank's forward + backward and the update (with sharded tables: the
-        lookup's and the row gradients' exchanges too). Each program compiles once per shape."""
+        on the same arrays: each local rank's forward + backward alone on one device, this
+        process's first (`compute_s_before` / `_after`: the batch as loaded and as balanced;
+        with sharded tables from the rows the step's lookup gives, as torch times them) and,
+        with `phases`, the first rank's forward alone, the whole step (the training step's
+        own program) and the update alone (both in place, state donated as in training, on a
+        copy of the state; with sharded tables the update is the dense params' and the
+        tables' touched rows'); `grad_reduce` is what the step takes beyond the slowest rank's
+        forward + backward and the update (with sharded tables: the lookup's and the row
+        gradients' exchanges too). Each program compiles once per shape."""
         from hstu.jax_backend import timing
 
         if self.model is None or self.optimizer is None:
@@ -411,11 +417,8 @@ class JaxBackend:
         if not self._timers:
             self._timers["rank"] = timing.RankTimer(self.model)
             if setup is None:
-                self._timers["step"] = make_train_step(self.model, self.optimizer, mesh)
                 self._timers["update"] = timing.donated_update(self.optimizer)
             else:
-                step = make_sharded_train_step(self.model, self.optimizer, setup, mesh)
-                self._timers["step"] = step
                 self._timers["update"] = timing.donated_tables_update(self.optimizer, setup, mesh)
                 self._timers["lookup"] = jax.jit(emb.make_lookup(setup, mesh, col.DATA_AXIS))
         jax.block_until_ready(self.state)
@@ -429,10 +432,17 @@ class JaxBackend:
             routes, rows = self._timers["lookup"](self.state.tables["weights"], placed.batch)
             return routes, ({n: r["uniq"] for n, r in routes.items()}, rows)
 
-        def per_rank(placed, forward_only=False, looked=None):
+        # every local rank's shard runs on this process's first device: one compile per shape
+        # rather than one per rank (the devices are of one kind)
+        here = self._devices[0]
+
+        def per_rank(placed, forward_only=False, looked=None, first_only=False):
+            local = self.local_ranks[:1] if first_only else self.local_ranks
             return [
-                ranks.time(params, placed.batch, devices[r], glt, repeats, forward_only, looked)
-                for r in self.local_ranks
+                ranks.time(
+                    params, placed.batch, devices[r], glt, repeats, forward_only, looked, here
+                )
+                for r in local
             ]
 
         ensure = self.shuffler.ensure  # the host exchange leaves the loaded split on the host
@@ -445,11 +455,12 @@ class JaxBackend:
         every = col.allgather_stats(mesh, ns)[::b] / 1e9  # [W, 2]
         out = {"compute_s_before": every[:, 0].tolist(), "compute_s_after": every[:, 1].tolist()}
         if phases:
-            forward = per_rank(after_placed, forward_only=True, looked=after_looked)
-            step, glt32 = self._timers["step"], np.float32(glt)
-            step_s = timing.time_chained(
-                lambda s: step(s, after_placed.batch, glt32), self.state, repeats
-            )
+            forward = per_rank(after_placed, True, after_looked, first_only=True)  # rank 0's
+            # the step's own program, on its own inputs: nothing to compile
+            batch, tokens = after_placed.batch, after_placed.loss_tokens_device
+            step = self._program(batch.spec, tokens)
+            tokens = np.float32(glt) if tokens is None else tokens
+            step_s = timing.time_chained(lambda s: step(s, batch, tokens), self.state, repeats)
             update, st = self._timers["update"], self.state
             if setup is None:
                 update_s = timing.time_chained(update, (st.params, st.opt_state), repeats)

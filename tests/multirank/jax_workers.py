@@ -323,6 +323,38 @@ def table_rows(cases: list) -> dict:
     return {"results": out, "world": world}
 
 
+def rank_timer() -> dict:
+    """`RankTimer` over a 2-device mesh: each rank's shard of one balanced batch timed on
+    device 0 (`run_on`), then on its own device; the forward + backward program's compiles
+    after each."""
+    import jax
+
+    from hstu.jax_backend import collectives as col
+    from hstu.jax_backend.model import build_model
+    from hstu.jax_backend.shuffler import JaxShuffler
+    from hstu.jax_backend.timing import RankTimer
+    from hstu.jax_backend.train_step import init_state, make_optimizer
+    from hstu.params import init_params
+    from hstu.testing import make_global_batch
+    from hstu.workload import HSTUCost
+
+    devices = jax.devices()
+    mesh = col.make_mesh(devices)
+    cfg = _cfg("ranking", "model.num_layers=1", "data.max_history=40")
+    model = build_model(cfg.model, cfg.data.max_seqlen)
+    state = init_state(init_params(cfg.model, 0), make_optimizer(cfg.train), mesh)
+    host = make_global_batch(cfg, 6, (6, 3)[: len(devices)])
+    cost = HSTUCost.from_model_config(cfg.model)
+    batch = JaxShuffler(mesh, "allgather").shuffle(host, cost, "ranking").device_batch.batch
+    timer = RankTimer(model)
+    compiles = []
+    for run_on in (devices[0], None):
+        for d in devices:
+            assert timer.time(state.params, batch, d, 10.0, repeats=1, run_on=run_on) > 0
+        compiles.append(timer._forward_backward._cache_size())
+    return {"world": len(devices), "compiles": compiles}
+
+
 def train(overrides: list, kill_after_step: int | None = None, wait_for: str | None = None) -> dict:
     """`train(cfg)`; optionally SIGKILL itself after a step, once `wait_for` exists on disk."""
     import signal

@@ -41,6 +41,16 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
 
 @pytest.mark.slow
 @pytest.mark.multirank
+def test_every_rank_timed_on_one_device_compiles_once():
+    """The e2e probes time each rank's shard on the process's first device: one compile of
+    the forward + backward for all ranks, where each rank on its own device compiles again."""
+    out = run_worker("rank_timer", devices=2)
+    assert out["world"] == 2
+    assert out["compiles"] == [1, 2]  # device 0 for both; then device 1's own program
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_item_table_gradient_from_the_global_rows_trains_as_the_dense_one():
     """At W=4 the item table's gradient from the rows the global batch reads (each rank's
     rows' gradient summed by the step's psum, `[U, D]`) against the dense parameter's: the

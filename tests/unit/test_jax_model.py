@@ -3,6 +3,8 @@ checkpoints (single device)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -25,7 +27,8 @@ from hstu.jax_backend.train_step import (  # noqa: E402
     make_train_step,
 )
 from hstu.params import init_params, param_shapes  # noqa: E402
-from hstu.pipeline import STAT_LOSS_TOKENS, sample_stats  # noqa: E402
+from hstu.pipeline import STAT_LOSS_TOKENS, STAT_REAL, Prepared, sample_stats  # noqa: E402
+from hstu.shuffle_plan import identity_plan  # noqa: E402
 from hstu.workload import HSTUCost  # noqa: E402
 
 SMALL = [
@@ -399,3 +402,40 @@ def test_programs_built_ahead_train_as_the_jitted_step():
     assert losses["ahead"] == losses["plain"]
     assert counts == [len(policy.capacities)] * 4 and len(ahead._built) == len(policy.capacities)
     assert ahead.step_fn._cache_size() == 0 and plain.step_fn._cache_size() >= 2
+
+    # `hstu bench e2e`'s probe times the whole step with the step's own program (built or
+    # jitted), compiling none, and copies the state for it in one program; the state trains
+    # on unchanged
+    host = [ds.batch(3)]
+    stats = sample_stats(host, HSTUCost.from_model_config(cfg.model), cfg.model.task)
+    plan = identity_plan(stats[:, STAT_REAL].astype(bool), 1)
+    for backend in (ahead, plain):
+        cached = backend.step_fn._cache_size()
+        p, _ = _placed(backend, cfg, host)
+        params = jax.tree.map(np.asarray, backend.state.params)
+        with _compiles() as compiled:
+            found = backend.probe(Prepared(p, stats, plan, loaded_batch=p), repeats=1)
+        assert "jit(step)" not in compiled and compiled.count("jit(copy)") <= 1, compiled
+        assert found["device_s"]["step"] > 0 and found["compute_s_after"][0] > 0
+        assert backend.step_fn._cache_size() == cached
+        after = jax.tree.map(np.asarray, backend.state.params)
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, after)))
+
+
+@contextlib.contextmanager
+def _compiles():
+    """The names of the programs XLA compiles inside the block (`jit(name)`)."""
+    from jax import monitoring
+    from jax._src import monitoring as _monitoring
+
+    seen = []
+
+    def listen(event, _secs, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(fun_name)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        _monitoring.unregister_event_duration_listener(listen)
