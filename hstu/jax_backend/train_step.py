@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import numpy as np
@@ -40,7 +41,13 @@ from hstu.jax_backend.batch import (
 )
 from hstu.jax_backend.model import HSTUModel
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
-from hstu.jax_backend.state import TrainState, init_sharded_state, init_state, make_optimizer
+from hstu.jax_backend.state import (
+    TrainState,
+    copy_state,
+    init_sharded_state,
+    init_state,
+    make_optimizer,
+)
 from hstu.pipeline import STAT_LOSS_TOKENS
 
 __all__ = [
@@ -375,13 +382,29 @@ class JaxBackend:
             self._built = {s: future.result() for s, future in built.items()}
         for spec in self._built:
             self.shuffler.compiled.add(("train_step", spec))
+        built_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        self._run_once(buf, tokens)
         if self.is_main:
             caps = ", ".join(str(s.token_capacity) for s in self._built)
             print(
                 f"train.build_ahead: {len(self._built)} step programs (token capacities {caps}) "
-                f"built in {time.perf_counter() - t0:.1f} s, {workers} at a time",
+                f"built in {built_s:.1f} s, {workers} at a time, and run once on empty "
+                f"batches in {time.perf_counter() - t1:.1f} s",
                 flush=True,
             )
+
+    def _run_once(self, buf: jax.Array, tokens: jax.Array) -> None:
+        """Every built program run once on an empty batch of its shapes (an all-zero buffer:
+        no sample), chained on a copy of the state that is then dropped; the state trains on
+        untouched. A program's first run loads its kernels onto the devices: 40-60 ms per
+        program on an H200 host, which would otherwise land on the first step of its
+        capacity (W=2, bench_upstream; docs/BENCHMARKS.md)."""
+        state = copy_state(self.state)
+        for spec, program in self._built.items():
+            shape = (buf.shape[0], packed_width(spec))
+            zeros = jax.jit(partial(jax.numpy.zeros, shape, buf.dtype), out_shardings=buf.sharding)
+            state, _ = program(state, PackedBatch(zeros(), spec), tokens)
+        jax.block_until_ready(state)
 
     def optimizer_step(self, handle):
         metrics, placed = handle  # the update was dispatched with the step: start the copies

@@ -415,7 +415,7 @@ def test_programs_built_ahead_train_as_the_jitted_step():
         params = jax.tree.map(np.asarray, backend.state.params)
         with _compiles() as compiled:
             found = backend.probe(Prepared(p, stats, plan, loaded_batch=p), repeats=1)
-        assert "jit(step)" not in compiled and compiled.count("jit(copy)") <= 1, compiled
+        assert "jit(step)" not in compiled and "jit(copy)" not in compiled, compiled
         assert found["device_s"]["step"] > 0 and found["compute_s_after"][0] > 0
         assert backend.step_fn._cache_size() == cached
         after = jax.tree.map(np.asarray, backend.state.params)
