@@ -267,6 +267,24 @@ def full_params(state: TrainState, setup: emb.EmbeddingSetup, mesh: Mesh):
     return jax.jit(merge, out_shardings=replicated)(state.params, state.tables["weights"])
 
 
+def bytes_on(tree, device) -> int:
+    """The bytes of `tree`'s arrays held on `device` (its shards there)."""
+    return sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for s in getattr(leaf, "addressable_shards", ())
+        if s.device == device
+    )
+
+
+def copy_fits(held: int, stats: dict | None, headroom: float = 2.0) -> bool:
+    """Whether `headroom` x `held` bytes fit in the free memory a device's `memory_stats()`
+    reports (a device that reports none, such as the CPU: True)."""
+    if not stats or "bytes_limit" not in stats:
+        return True
+    return headroom * held <= stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
 def _zero_update(optimizer: optax.GradientTransformation) -> Callable:
     """The AdamW update on zero gradients: the update's cost without its gradients."""
 
@@ -383,28 +401,37 @@ class JaxBackend:
         for spec in self._built:
             self.shuffler.compiled.add(("train_step", spec))
         built_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        self._run_once(buf, tokens)
+        ran = self._run_once(buf, tokens)
         if self.is_main:
             caps = ", ".join(str(s.token_capacity) for s in self._built)
             print(
                 f"train.build_ahead: {len(self._built)} step programs (token capacities {caps}) "
-                f"built in {built_s:.1f} s, {workers} at a time, and run once on empty "
-                f"batches in {time.perf_counter() - t1:.1f} s",
+                f"built in {built_s:.1f} s, {workers} at a time, "
+                + (
+                    f"and run once on empty batches in {time.perf_counter() - t1:.1f} s"
+                    if ran
+                    else "not run ahead (a copy of the state does not fit beside it)"
+                ),
                 flush=True,
             )
 
-    def _run_once(self, buf: jax.Array, tokens: jax.Array) -> None:
+    def _run_once(self, buf: jax.Array, tokens: jax.Array) -> bool:
         """Every built program run once on an empty batch of its shapes (an all-zero buffer:
         no sample), chained on a copy of the state that is then dropped; the state trains on
-        untouched. A program's first run loads its kernels onto the devices: 40-60 ms per
-        program on an H200 host, which would otherwise land on the first step of its
-        capacity (W=2, bench_upstream; docs/BENCHMARKS.md)."""
+        untouched. A program's first run sets it up on the devices: 40-60 ms per program on
+        an H200 host, which would otherwise land on the first step of its capacity (W=2,
+        bench_upstream; docs/BENCHMARKS.md). Skipped (False) where the copy may not fit in
+        the devices' free memory (large tables): those first steps pay it, as before."""
+        device = self._devices[0]
+        if not copy_fits(bytes_on(self.state, device), device.memory_stats()):
+            return False
         state = copy_state(self.state)
         for spec, program in self._built.items():
             shape = (buf.shape[0], packed_width(spec))
             zeros = jax.jit(partial(jax.numpy.zeros, shape, buf.dtype), out_shardings=buf.sharding)
             state, _ = program(state, PackedBatch(zeros(), spec), tokens)
         jax.block_until_ready(state)
+        return True
 
     def optimizer_step(self, handle):
         metrics, placed = handle  # the update was dispatched with the step: start the copies

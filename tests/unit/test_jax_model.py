@@ -422,6 +422,20 @@ def test_programs_built_ahead_train_as_the_jitted_step():
         assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, after)))
 
 
+def test_programs_run_ahead_only_where_a_copy_of_the_state_fits():
+    """`build_ahead` runs its programs once on a copy of the state: only where twice the
+    state's bytes on the device fit in what the device reports free."""
+    from hstu.jax_backend.train_step import bytes_on, copy_fits
+
+    device = jax.devices()[0]
+    state = {"w": jax.device_put(np.zeros((4, 8), np.float32), device), "n": 3}
+    assert bytes_on(state, device) == 4 * 8 * 4  # arrays only
+    assert bytes_on(state, object()) == 0  # none of it on another device
+    assert copy_fits(128, None) and copy_fits(128, {})  # no report (the CPU): run
+    assert copy_fits(128, {"bytes_limit": 1000, "bytes_in_use": 744})  # 256 free
+    assert not copy_fits(128, {"bytes_limit": 1000, "bytes_in_use": 745})
+
+
 @contextlib.contextmanager
 def _compiles():
     """The names of the programs XLA compiles inside the block (`jit(name)`)."""
