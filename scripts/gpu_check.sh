@@ -359,7 +359,7 @@ print('torchrec', torchrec.__version__)" ;;
       # scripts/profile_step.py on bench_upstream: $PROFILE_STEPS steps, 3 traced from
       # $PROFILE_AT (past the steps that capture graphs or compile), per backend and batch size
       # ($PROFILE_BATCHES), overrides $PROFILE_ARGS; PROFILE_HLO=1: jax kernels named by their
-      # fusion in the optimized HLO; PROFILE_WORLD=W (torch): W ranks, rank 0 traced. The
+      # fusion in the optimized HLO; PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all). The
       # traces stay on the machine (/tmp/hstu-traces).
       for backend in ${PROFILE_BACKENDS:-torch jax}; do
         for b in ${PROFILE_BATCHES:-32}; do

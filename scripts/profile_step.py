@@ -9,8 +9,8 @@ device kernels, the host timeline (busy time per thread) and the device's idle g
 charged to what the dispatching thread was doing (`hstu.bench.trace`). The trace goes to $OUT
 (default /tmp). Torch `--world W`: W ranks, one GPU each (gloo processes without CUDA), rank 0
 traced and the others training beside it, so the trace shows what a data-parallel step waits
-for (the collectives, the next batch's copy and exchange). Measurement aid for
-docs/BENCHMARKS.md.
+for (the collectives, the next batch's copy and exchange); jax `--world W`: a mesh of W devices
+of this one process, every device traced. Measurement aid for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -153,12 +153,11 @@ def main(argv=None):
         "--world",
         type=int,
         default=1,
-        help="torch: ranks, one GPU each; rank 0 is traced, the others train beside it",
+        help="ranks, one GPU each (torch: W processes, rank 0 traced, the others training "
+        "beside it; jax: a mesh of W devices in this process, all traced)",
     )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    if args.world > 1 and args.backend != "torch":
-        p.error("--world > 1: torch only (jax traces its W devices from one process already)")
     out_dir = os.environ.get("OUT", "/tmp")
     os.makedirs(out_dir, exist_ok=True)
     hlo_dir = None
