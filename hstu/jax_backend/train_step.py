@@ -143,11 +143,11 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     donate: bool = True,
-    table_rows: bool | None = None,
+    table_rows: bool = True,
 ) -> Callable:
     """Jitted `(state, batch, global_loss_tokens) -> (state, metrics)`; donates the state.
 
-    `table_rows` (default: on one device): the item table's gradient from the rows the batch
+    `table_rows` (False: the dense gradient): the item table's gradient from the rows the batch
     reads. The loss differentiates with respect to those rows (`make_rows_loss_fn`), and the table's
     dense gradient is a gather of their gradients (zero for every other row) that XLA fuses
     into AdamW's update and the norm: no zero fill, scatter and read of a `[V, D]` gradient.
@@ -155,15 +155,14 @@ def make_train_step(
     of every rank's ids (the global batch's, deduplicated: `[U, D]`, a copy per rank), so the
     gradients' all-reduce carries `U` rows instead of the table's `V`. A program whose global
     batch may read as many rows as the table has (`U >= V`, known at trace time) takes the
-    dense gradient. Not the default across devices: on 2 x H200 (`bench_upstream`, batch 32
-    per rank, two alternating rounds) it bought nothing measurable (1.099M against 1.093M
-    tokens/s in one round, 0.923M against 1.051M in the other; docs/BENCHMARKS.md)."""
+    dense gradient. As torch reduces its replicated tables over the rows some rank looked up
+    (`grad_sync.TouchedRowsReduce`). On 4 x H200 (`bench_upstream`, batch 32 per rank,
+    balanced) the step is ~0.5 ms shorter than with the dense gradient, whose 400 MB
+    all-reduce ends the backward (docs/BENCHMARKS.md)."""
     jnp = jax.numpy
     loss_fn = make_loss_fn(model, mesh)
     rows_loss_fn = make_rows_loss_fn(model, mesh)
     num_items = model.cfg.num_items
-    if table_rows is None:
-        table_rows = mesh.devices.size == 1
 
     def grads_of(params, batch, global_loss_tokens, rng):
         read = _item_ids(batch)
