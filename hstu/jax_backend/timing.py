@@ -5,7 +5,8 @@ own, each on the devices and arrays the step uses (`median_time`: calls dispatch
 then waited for, median of repeats, after a compiling warm-up):
 
 * `RankTimer`: one rank's forward (+ backward) of its shard of a DeviceBatch, alone on its
-  device (no collective, no update): the per-rank compute time;
+  device (no collective, no update), differentiated as the step does: the per-rank compute
+  time;
 * `LocalTimer`: one device standing in for W ranks (`hstu bench e2e --simulate-ranks W`): each
   rank's local batch, padded as the W-rank run would pad it (the run's capacity policy), and
   the optimizer update.
@@ -95,12 +96,15 @@ def shard_on(x: jax.Array, device) -> jax.Array:
 
 
 class RankTimer:
-    """Forward (+ backward) of one rank's batch shard, alone on its device. With sharded
-    tables (a model with external tables) from the rank's looked-up rows, the backward
-    ending at them, as the sharded step differentiates: the lookup's collectives and the
-    tables' update are not in the time."""
+    """Forward (+ backward) of one rank's batch shard, alone on its device, differentiated as
+    the step differentiates: the item table's gradient from the rows the shard reads
+    (`make_train_step`'s `table_rows`, no `[V, D]` gradient); with sharded tables (a model
+    with external tables) from the rank's looked-up rows. The collectives and the update are
+    not in the time."""
 
     def __init__(self, model):
+        jnp = jax.numpy
+
         def loss(params, batch, global_loss_tokens, ids=None, rows=None):
             tables = None if ids is None else {n: (ids[n][0], rows[n][0]) for n in ids}
             out, _ = model.apply(
@@ -108,8 +112,28 @@ class RankTimer:
             )
             return out
 
+        def from_item_rows(params, batch, global_loss_tokens, ids=None, rows=None):
+            from hstu.jax_backend.train_step import item_ids
+
+            read, table = item_ids(batch), params["embedding"]["item"]
+            num_items = table.shape[0]
+            if read.size >= num_items:  # the step's dense gradient too
+                value, grads = jax.value_and_grad(loss)(params, batch, global_loss_tokens)
+                return value, (grads, {})
+            uniq = jnp.unique(read, size=read.size, fill_value=num_items)
+            item_rows = table.at[uniq].get(mode="fill", fill_value=0)
+            value, (grads, g_rows) = jax.value_and_grad(
+                lambda p, r: loss(p, batch, global_loss_tokens, {"item": uniq[None]}, {"item": r}),
+                argnums=(0, 1),
+            )(params, item_rows[None])
+            dense = {k: g for k, g in grads["embedding"].items() if k != "item"}
+            return value, ({**grads, "embedding": dense}, g_rows)
+
         self._forward = jax.jit(loss)
-        self._forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
+        if model.external_tables:
+            self._forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 4)))
+        else:
+            self._forward_backward = jax.jit(from_item_rows)
 
     def time(
         self,

@@ -54,6 +54,7 @@ __all__ = [
     "JaxBackend",
     "TrainState",
     "init_state",
+    "item_ids",
     "make_loss_fn",
     "make_optimizer",
     "make_rows_loss_fn",
@@ -131,7 +132,7 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     return loss_fn
 
 
-def _item_ids(batch: DeviceBatch) -> jax.Array:
+def item_ids(batch: DeviceBatch) -> jax.Array:
     """Every id the model may read from the item table for `batch` (padding included)."""
     v = batch.values
     parts = [v["item"], v["candidate"]] + ([v["negative"]] if "negative" in v else [])
@@ -165,7 +166,7 @@ def make_train_step(
     num_items = model.cfg.num_items
 
     def grads_of(params, batch, global_loss_tokens, rng):
-        read = _item_ids(batch)
+        read = item_ids(batch)
         if not table_rows or read.size >= num_items:
             return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
         table = params["embedding"]["item"]

@@ -280,8 +280,8 @@ def table_rows(cases: list) -> dict:
     from hstu.jax_backend.model import build_model, flax_to_params
     from hstu.jax_backend.shuffler import JaxShuffler
     from hstu.jax_backend.train_step import (
-        _item_ids,
         init_state,
+        item_ids,
         make_optimizer,
         make_train_step,
     )
@@ -308,7 +308,7 @@ def table_rows(cases: list) -> dict:
             for host in steps:
                 prep = JaxShuffler(mesh, "allgather").shuffle(host, cost, task)
                 batch = prep.device_batch.batch
-                reads.append(int(_item_ids(batch).size))
+                reads.append(int(item_ids(batch).size))
                 state, m = step(state, batch, prep.device_batch.loss_tokens_device)
                 metrics.append({k: float(v) for k, v in m.items()})
             runs[rows] = metrics, reads, flax_to_params(state.params)

@@ -373,6 +373,42 @@ def test_item_table_gradient_from_its_rows_trains_as_the_dense_one(task):
     assert (np.abs(got_p["embedding"]["item"] - init).max(axis=1) > 0).all()
 
 
+@pytest.mark.slow  # ~18 s: two gradient programs compiled
+def test_rank_timer_differentiates_the_item_table_as_the_step_does():
+    """The probes' and the simulation's per-rank forward + backward takes the item table's
+    gradient from the rows the shard reads, as the step does: the same loss, the same
+    gradients of the other parameters, and the rows' gradients those of the dense table
+    gradient (zero on every row the shard does not read)."""
+    from hstu.jax_backend.timing import RankTimer
+    from hstu.jax_backend.train_step import item_ids
+
+    cfg = _cfg("ranking", "model.num_layers=1", "data.num_samples=8", "model.num_items=2000")
+    backend = _backend(cfg)
+    placed, count = _placed(backend, cfg, [dataset_from_config(cfg, 1, 0).batch(0)])
+    batch = backend.shuffler.ensure(placed).batch
+    params, glt = backend.state.params, np.float32(count)
+    loss, (grads, g_rows) = RankTimer(backend.model)._forward_backward(params, batch, glt)
+
+    def dense_loss(p):
+        return backend.model.apply({"params": p}, jb.local_view(batch), glt)[0]
+
+    want_loss, want = jax.value_and_grad(dense_loss)(params)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    assert "item" not in grads["embedding"]  # no [V, D] gradient is built
+    want_item = np.asarray(want["embedding"].pop("item"))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    read = np.unique(np.asarray(item_ids(batch)))
+    g_rows = np.asarray(g_rows)[0]
+    assert g_rows.shape[0] == np.asarray(item_ids(batch)).size
+    num_items = cfg.model.num_items
+    real = read[read < num_items]
+    np.testing.assert_allclose(g_rows[: real.size], want_item[real], rtol=1e-5, atol=1e-7)
+    assert np.abs(g_rows[: real.size]).max() > 0
+    others = np.setdiff1d(np.arange(num_items), real)
+    assert not want_item[others].any()  # the dense gradient holds nothing more
+
+
 @pytest.mark.slow  # ~28 s: six programs compiled
 def test_programs_built_ahead_train_as_the_jitted_step():
     """`train.build_ahead`: at the first step every capacity's program is built (compiled in
