@@ -219,6 +219,8 @@ class HSTUModel(nn.Module):
     def encode(self, batch: DeviceBatch, deterministic: bool = True, tables: dict | None = None):
         lay = token_layout(batch)
         x, ts = self.embedding(batch, lay, tables)
+        # the residual stream in the compute dtype, as torch runs it (the norms compute in fp32)
+        x = x.astype(DTYPES[self.cfg.dtype])
         for layer in self.layers:
             x = layer(x, lay, ts, deterministic)
         return self.final_norm(x), lay

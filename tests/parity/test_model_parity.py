@@ -103,3 +103,23 @@ def test_forward_and_gradients_match(task):
         f"{task}: z rel {_rel(z_j[:num_tokens], z_t):.1e}, worst grad {worst} {errors[worst]:.1e}"
     )
     assert errors[worst] < GRAD_RTOL, f"{worst}: rel {errors[worst]:.2e}; all: {errors}"
+
+
+def test_bf16_forward_and_gradients_agree_within_bf16_roundings():
+    """A bf16 stack (residual stream in bf16, norms computed in fp32 in both): the two
+    backends round at slightly different places (the bias add, the gated norm's product), so
+    they agree to a few bf16 roundings (2^-8 = 3.9e-3 each), not to fp32's 1e-5."""
+    cfg = load_config(
+        DEMO_CONFIG,
+        ["model.dtype=bfloat16", "model.num_layers=2", "data.max_history=40", "train.seed=3"],
+    )
+    batch = make_global_batch(cfg, 8, (6,), first_id=11)[0]
+    params = init_params(cfg.model, cfg.train.seed)
+    global_targets = int(loss_tokens(batch, "ranking").sum())
+    z_t, loss_t, _, grads_t = _torch_side(cfg, params, batch, global_targets)
+    z_j, loss_j, _, grads_j = _jax_side(cfg, params, batch, global_targets)
+    num_tokens = batch.num_real_tokens()
+    assert _rel(z_j[:num_tokens], z_t) < 4e-2
+    assert loss_j == pytest.approx(loss_t, rel=4e-3)
+    errors = sorted(_rel(grads_j[n], grads_t[n]) for n in grads_t)
+    assert errors[len(errors) // 2] < 2.5e-2 and errors[-1] < 6e-2, errors

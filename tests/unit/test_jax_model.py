@@ -373,6 +373,21 @@ def test_item_table_gradient_from_its_rows_trains_as_the_dense_one(task):
     assert (np.abs(got_p["embedding"]["item"] - init).max(axis=1) > 0).all()
 
 
+def test_residual_stream_runs_in_the_compute_dtype():
+    """A bf16 model carries its residual stream (every layer's output) in bf16, as torch
+    does; the norms compute in fp32 and the encoder's output is fp32."""
+    cfg = _cfg("ranking", "model.num_layers=2", "model.dtype=bfloat16", "model.attention=reference")
+    model = build_model(cfg.model, cfg.data.max_seqlen)
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    mesh = col.make_mesh(jax.devices()[:1])
+    dev = jb.local_view(jb.to_device([host], col.rank_sharding(mesh)))
+    tree = params_to_flax(init_params(cfg.model, seed=0))
+    z, state = model.apply({"params": tree}, dev, method=model.encode, capture_intermediates=True)
+    layers = state["intermediates"]
+    assert [layers[f"layers_{i}"]["__call__"][0].dtype for i in range(2)] == [jnp.bfloat16] * 2
+    assert z[0].dtype == jnp.float32
+
+
 @pytest.mark.slow  # ~18 s: two gradient programs compiled
 def test_rank_timer_differentiates_the_item_table_as_the_step_does():
     """The probes' and the simulation's per-rank forward + backward takes the item table's
