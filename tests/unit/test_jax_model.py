@@ -382,7 +382,10 @@ def test_residual_stream_runs_in_the_compute_dtype():
     mesh = col.make_mesh(jax.devices()[:1])
     dev = jb.local_view(jb.to_device([host], col.rank_sharding(mesh)))
     tree = params_to_flax(init_params(cfg.model, seed=0))
-    z, state = model.apply({"params": tree}, dev, method=model.encode, capture_intermediates=True)
+    z, state = jax.eval_shape(  # dtypes only: nothing runs
+        lambda p: model.apply({"params": p}, dev, method=model.encode, capture_intermediates=True),
+        tree,
+    )
     layers = state["intermediates"]
     assert [layers[f"layers_{i}"]["__call__"][0].dtype for i in range(2)] == [jnp.bfloat16] * 2
     assert z[0].dtype == jnp.float32
