@@ -103,8 +103,6 @@ class RankTimer:
     not in the time."""
 
     def __init__(self, model):
-        jnp = jax.numpy
-
         def loss(params, batch, global_loss_tokens, ids=None, rows=None):
             tables = None if ids is None else {n: (ids[n][0], rows[n][0]) for n in ids}
             out, _ = model.apply(
@@ -113,15 +111,13 @@ class RankTimer:
             return out
 
         def from_item_rows(params, batch, global_loss_tokens, ids=None, rows=None):
-            from hstu.jax_backend.train_step import item_ids
+            from hstu.jax_backend.train_step import read_rows
 
-            read, table = item_ids(batch), params["embedding"]["item"]
-            num_items = table.shape[0]
-            if read.size >= num_items:  # the step's dense gradient too
+            read = read_rows(params["embedding"]["item"], batch)
+            if read is None:  # the step's dense gradient too
                 value, grads = jax.value_and_grad(loss)(params, batch, global_loss_tokens)
                 return value, (grads, {})
-            uniq = jnp.unique(read, size=read.size, fill_value=num_items)
-            item_rows = table.at[uniq].get(mode="fill", fill_value=0)
+            uniq, item_rows = read
             value, (grads, g_rows) = jax.value_and_grad(
                 lambda p, r: loss(p, batch, global_loss_tokens, {"item": uniq[None]}, {"item": r}),
                 argnums=(0, 1),

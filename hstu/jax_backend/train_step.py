@@ -61,6 +61,7 @@ __all__ = [
     "make_sharded_loss_fn",
     "make_sharded_train_step",
     "make_train_step",
+    "read_rows",
     "run_training",
 ]
 
@@ -139,6 +140,19 @@ def item_ids(batch: DeviceBatch) -> jax.Array:
     return jax.numpy.concatenate([x.reshape(-1) for x in parts])
 
 
+def read_rows(table: jax.Array, batch: DeviceBatch) -> tuple[jax.Array, jax.Array] | None:
+    """`(ids [U], rows [U, D])`: the item table's rows `batch` may read (`item_ids`, sorted,
+    deduplicated, padded with the out-of-range id `V` and zero rows to a size known at trace
+    time); None where that size reaches the table's `V` rows (the dense gradient is then no
+    larger)."""
+    read = item_ids(batch)
+    num_items = table.shape[0]
+    if read.size >= num_items:
+        return None
+    ids = jax.numpy.unique(read, size=read.size, fill_value=num_items)
+    return ids, table.at[ids].get(mode="fill", fill_value=0)
+
+
 def make_train_step(
     model: HSTUModel,
     optimizer: optax.GradientTransformation,
@@ -166,12 +180,11 @@ def make_train_step(
     num_items = model.cfg.num_items
 
     def grads_of(params, batch, global_loss_tokens, rng):
-        read = item_ids(batch)
-        if not table_rows or read.size >= num_items:
-            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
         table = params["embedding"]["item"]
-        ids = jnp.unique(read, size=read.size, fill_value=num_items)
-        rows = table.at[ids].get(mode="fill", fill_value=0)
+        read = read_rows(table, batch) if table_rows else None
+        if read is None:
+            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
+        ids, rows = read
         out, (grads, g_rows) = jax.value_and_grad(rows_loss_fn, argnums=(0, 1), has_aux=True)(
             params, rows, ids, batch, global_loss_tokens, rng
         )
