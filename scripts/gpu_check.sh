@@ -152,15 +152,17 @@ print('torchrec', torchrec.__version__)" ;;
       ab_overrides ovr "${OVR_SETS:-}" "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
     flags)
       # XLA_FLAGS A/B in one call: each set in $FLAG_SETS (separated by '|'; an empty set is
-      # XLA's defaults), alternating, jax at W=1 on bench_upstream, identity, each batch size
-      # of $AB_BATCHES, $AB_ROUNDS rounds
+      # XLA's defaults), alternating, jax on bench_upstream, $AB_SHUFFLERS (default identity),
+      # each batch size of $AB_BATCHES, $AB_ROUNDS rounds, overrides $AB_ARGS
+      # (dist.world_size=4: that many GPUs)
       IFS='|' read -r -a flag_sets <<< "${FLAG_SETS:-}"
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
           for i in "${!flag_sets[@]}"; do
             run "flags${i}_b${b}_$round" env XLA_FLAGS="${flag_sets[$i]}" python -m hstu.cli \
-              bench e2e --config bench_upstream --backends jax --shufflers identity --steps 30 \
-              --probe-every 0 --out /tmp/flags${i}_b${b}_$round data.batch_size=$b
+              bench e2e --config bench_upstream --backends jax \
+              --shufflers ${AB_SHUFFLERS:-identity} --steps ${AB_STEPS:-30} \
+              --probe-every 0 --out /tmp/flags${i}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
         done
       done ;;
