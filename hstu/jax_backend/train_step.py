@@ -61,6 +61,7 @@ __all__ = [
     "make_sharded_loss_fn",
     "make_sharded_train_step",
     "make_train_step",
+    "read_capacity",
     "read_rows",
     "run_training",
 ]
@@ -140,16 +141,47 @@ def item_ids(batch: DeviceBatch) -> jax.Array:
     return jax.numpy.concatenate([x.reshape(-1) for x in parts])
 
 
+def read_capacity(batch: DeviceBatch) -> int:
+    """How many distinct item ids `batch`'s real values can hold, known at trace time: per
+    rank `L + K` items and candidates, at most the token capacity `T` (a rank's tokens
+    `C + 2 L + K` fit in `T`), plus the negatives' capacity; at most every slot of
+    `item_ids`. At T = 12,288 a rank's slots are 1.5 T (items T / 2, candidates T): a third
+    fewer rows."""
+    spec = batch.spec
+    neg = spec.capacity("negative") if "negative" in spec.keys else 0
+    per_rank = min(spec.capacity("item") + spec.capacity("candidate"), spec.token_capacity)
+    ranks = batch.values["item"].size // spec.capacity("item")
+    return min(int(item_ids(batch).size), ranks * (per_rank + neg))
+
+
+def _real_ids(batch: DeviceBatch, fill: int) -> jax.Array:
+    """`item_ids` with every padding slot set to `fill`: a rank's values of a key are its
+    samples' (`lengths`) followed by padding."""
+    jnp = jax.numpy
+    parts = []
+    for key in ("item", "candidate", "negative"):
+        if key not in batch.values:
+            continue
+        v = batch.values[key]
+        v = v.reshape(-1, v.shape[-1])  # [ranks, capacity]
+        real = batch.lengths[key].reshape(v.shape[0], -1).sum(axis=1)
+        slot = jnp.arange(v.shape[1])[None, :]
+        parts.append(jnp.where(slot < real[:, None], v, fill).reshape(-1))
+    return jnp.concatenate(parts)
+
+
 def read_rows(table: jax.Array, batch: DeviceBatch) -> tuple[jax.Array, jax.Array] | None:
-    """`(ids [U], rows [U, D])`: the item table's rows `batch` may read (`item_ids`, sorted,
-    deduplicated, padded with the out-of-range id `V` and zero rows to a size known at trace
-    time); None where that size reaches the table's `V` rows (the dense gradient is then no
-    larger)."""
-    read = item_ids(batch)
+    """`(ids [U], rows [U, D])`: the item table's rows `batch`'s real values read (sorted,
+    deduplicated, padded with the out-of-range id `V` and zero rows to `U = read_capacity`,
+    known at trace time); None where `U` reaches the table's `V` rows (the dense gradient is
+    then no larger). A padding slot's id is left out: the model masks its token, and reads a
+    zero row for an id `ids` lacks (`embedding.cached_lookup`). `V` sorts after every id,
+    so where the real ids fill all `U` slots only the filler is cut."""
     num_items = table.shape[0]
-    if read.size >= num_items:
+    size = read_capacity(batch)
+    if size >= num_items:
         return None
-    ids = jax.numpy.unique(read, size=read.size, fill_value=num_items)
+    ids = jax.numpy.unique(_real_ids(batch, num_items), size=size, fill_value=num_items)
     return ids, table.at[ids].get(mode="fill", fill_value=0)
 
 

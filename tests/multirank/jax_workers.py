@@ -281,9 +281,9 @@ def table_rows(cases: list) -> dict:
     from hstu.jax_backend.shuffler import JaxShuffler
     from hstu.jax_backend.train_step import (
         init_state,
-        item_ids,
         make_optimizer,
         make_train_step,
+        read_capacity,
     )
     from hstu.params import init_params
     from hstu.testing import make_global_batch
@@ -308,7 +308,7 @@ def table_rows(cases: list) -> dict:
             for host in steps:
                 prep = JaxShuffler(mesh, "allgather").shuffle(host, cost, task)
                 batch = prep.device_batch.batch
-                reads.append(int(item_ids(batch).size))
+                reads.append(read_capacity(batch))
                 state, m = step(state, batch, prep.device_batch.loss_tokens_device)
                 metrics.append({k: float(v) for k, v in m.items()})
             runs[rows] = metrics, reads, flax_to_params(state.params)

@@ -391,6 +391,43 @@ def test_residual_stream_runs_in_the_compute_dtype():
     assert z[0].dtype == jnp.float32
 
 
+def _real_item_ids(batch) -> np.ndarray:
+    """The distinct item ids of `batch`'s samples (no padding), sorted: numpy, per rank."""
+    out = []
+    for key in ("item", "candidate", "negative"):
+        if key in batch.values:
+            v = np.asarray(batch.values[key]).reshape(-1, batch.spec.capacity(key))
+            n = np.asarray(batch.lengths[key]).reshape(v.shape[0], -1).sum(axis=1)
+            out += [row[:k] for row, k in zip(v, n, strict=True)]
+    return np.unique(np.concatenate(out))
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_read_rows_hold_the_real_ids_in_a_bound_of_the_token_capacity(task):
+    """The rows the step differentiates the item table through: the batch's real ids, sorted
+    and distinct, then the filler `V` with zero rows, `read_capacity` of them: per rank the
+    token capacity (items + candidates fit in T) plus the negatives' slots, fewer than the
+    batch's id slots (padding is left out)."""
+    from hstu.jax_backend.train_step import item_ids, read_capacity, read_rows
+
+    cfg = _cfg(task, "data.num_samples=8", "model.num_items=20000")
+    backend = _backend(cfg)
+    placed, _ = _placed(backend, cfg, [dataset_from_config(cfg, 1, 0).batch(0)])
+    batch = backend.shuffler.ensure(placed).batch
+    spec = batch.spec
+    neg = spec.capacity("negative") if task == "retrieval" else 0
+    assert read_capacity(batch) == spec.token_capacity + neg
+    assert read_capacity(batch) < np.asarray(item_ids(batch)).size
+    table = backend.state.params["embedding"]["item"]
+    ids, rows = map(np.asarray, read_rows(table, batch))
+    real = _real_item_ids(batch)
+    assert ids.shape == (read_capacity(batch),) and rows.shape == (ids.size, table.shape[1])
+    np.testing.assert_array_equal(ids[: real.size], real)
+    assert (ids[real.size :] == cfg.model.num_items).all() and real.size < ids.size
+    np.testing.assert_array_equal(rows[: real.size], np.asarray(table)[real])
+    assert not rows[real.size :].any()
+
+
 @pytest.mark.slow  # ~18 s: two gradient programs compiled
 def test_rank_timer_differentiates_the_item_table_as_the_step_does():
     """The probes' and the simulation's per-rank forward + backward takes the item table's
@@ -398,7 +435,7 @@ def test_rank_timer_differentiates_the_item_table_as_the_step_does():
     gradients of the other parameters, and the rows' gradients those of the dense table
     gradient (zero on every row the shard does not read)."""
     from hstu.jax_backend.timing import RankTimer
-    from hstu.jax_backend.train_step import item_ids
+    from hstu.jax_backend.train_step import item_ids, read_capacity
 
     cfg = _cfg("ranking", "model.num_layers=1", "data.num_samples=8", "model.num_items=2000")
     backend = _backend(cfg)
@@ -416,11 +453,10 @@ def test_rank_timer_differentiates_the_item_table_as_the_step_does():
     want_item = np.asarray(want["embedding"].pop("item"))
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    read = np.unique(np.asarray(item_ids(batch)))
+    real = _real_item_ids(batch)
     g_rows = np.asarray(g_rows)[0]
-    assert g_rows.shape[0] == np.asarray(item_ids(batch)).size
+    assert g_rows.shape[0] == read_capacity(batch) < np.asarray(item_ids(batch)).size
     num_items = cfg.model.num_items
-    real = read[read < num_items]
     np.testing.assert_allclose(g_rows[: real.size], want_item[real], rtol=1e-5, atol=1e-7)
     assert np.abs(g_rows[: real.size]).max() > 0
     others = np.setdiff1d(np.arange(num_items), real)
