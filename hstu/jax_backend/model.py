@@ -140,6 +140,57 @@ class Embeddings(nn.Module):
         return x, ts
 
 
+def _varying(x: jax.Array) -> frozenset:
+    """The mesh axes `x` varies over inside shard_map (empty outside, or unchecked)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.11; 0.10 names the set `vma`
+    return mat.varying if mat is not None else aval.vma
+
+
+@jax.custom_vjp
+def _linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    return _linear_fwd(x, kernel, bias)[0]
+
+
+def _linear_fwd(x, kernel, bias):
+    w = kernel.astype(x.dtype)
+    return jnp.matmul(x, w) + bias.astype(x.dtype), (x, w)
+
+
+def _linear_bwd(res, g):
+    x, w = res
+    f32 = jnp.float32
+    dx = jnp.matmul(g, w.T)
+    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+    return dx, dw, jnp.sum(g, axis=0, dtype=f32)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+class Linear(nn.Module):
+    """`x @ kernel + bias` in `dtype` with fp32 parameters, as `nn.Dense(dtype=...)` computes
+    it (same parameters, same forward), but the parameters' gradients come out of the GEMM
+    and the reduction in fp32, as torch's do: `nn.Dense`'s are the compute dtype's (a bf16
+    GEMM output, then converted), one rounding more and a conversion kernel per weight."""
+
+    features: int
+    dtype: jnp.dtype
+    kernel_init: nn.initializers.Initializer = nn.initializers.glorot_uniform()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        # under shard_map's type check the parameters (replicated) enter as varying like `x`:
+        # a custom rule's gradient must have its input's type, and this cast's transpose is
+        # the sum over ranks that autodiff adds for a replicated input
+        vary = tuple(sorted(_varying(x) - _varying(kernel)))
+        if vary:
+            kernel, bias = (jax.lax.pcast(p, vary, to="varying") for p in (kernel, bias))
+        return _linear(x.astype(self.dtype), kernel, bias)
+
+
 class HSTULayer(nn.Module):
     cfg: ModelConfig
     attn: AttentionConfig
@@ -151,9 +202,7 @@ class HSTULayer(nn.Module):
         t = x.shape[0]
         glorot = nn.initializers.glorot_uniform()
         y = _norm("input_norm")(x)
-        uvqk = nn.silu(
-            nn.Dense(h * (2 * dv + 2 * dqk), dtype=dtype, kernel_init=glorot, name="uvqk")(y)
-        )
+        uvqk = nn.silu(Linear(h * (2 * dv + 2 * dqk), dtype, kernel_init=glorot, name="uvqk")(y))
         u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
         bias_init = nn.initializers.normal(0.02)
         rab_pos = (
@@ -180,7 +229,7 @@ class HSTULayer(nn.Module):
         )
         y = _norm("attn_norm")(a.reshape(t, h * dv)) * u
         y = nn.Dropout(c.dropout)(y, deterministic=deterministic or c.dropout == 0.0)
-        return x + nn.Dense(c.embedding_dim, dtype=dtype, kernel_init=glorot, name="output")(y)
+        return x + Linear(c.embedding_dim, dtype, kernel_init=glorot, name="output")(y)
 
 
 class RankingHead(nn.Module):
