@@ -134,11 +134,13 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     return loss_fn
 
 
+ITEM_KEYS = ("item", "candidate", "negative")  # the keys whose values index the item table
+
+
 def item_ids(batch: DeviceBatch) -> jax.Array:
     """Every id the model may read from the item table for `batch` (padding included)."""
-    v = batch.values
-    parts = [v["item"], v["candidate"]] + ([v["negative"]] if "negative" in v else [])
-    return jax.numpy.concatenate([x.reshape(-1) for x in parts])
+    parts = [batch.values[k].reshape(-1) for k in ITEM_KEYS if k in batch.values]
+    return jax.numpy.concatenate(parts)
 
 
 def read_capacity(batch: DeviceBatch) -> int:
@@ -149,9 +151,9 @@ def read_capacity(batch: DeviceBatch) -> int:
     fewer rows."""
     spec = batch.spec
     neg = spec.capacity("negative") if "negative" in spec.keys else 0
-    per_rank = min(spec.capacity("item") + spec.capacity("candidate"), spec.token_capacity)
+    slots = spec.capacity("item") + spec.capacity("candidate")
     ranks = batch.values["item"].size // spec.capacity("item")
-    return min(int(item_ids(batch).size), ranks * (per_rank + neg))
+    return ranks * (min(slots, spec.token_capacity) + neg)
 
 
 def _real_ids(batch: DeviceBatch, fill: int) -> jax.Array:
@@ -159,7 +161,7 @@ def _real_ids(batch: DeviceBatch, fill: int) -> jax.Array:
     samples' (`lengths`) followed by padding."""
     jnp = jax.numpy
     parts = []
-    for key in ("item", "candidate", "negative"):
+    for key in ITEM_KEYS:
         if key not in batch.values:
             continue
         v = batch.values[key]
