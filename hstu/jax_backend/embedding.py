@@ -9,7 +9,8 @@ the numbers. `data_parallel` keeps every table whole on every device (replicated
 
 Lookup (per rank, inside shard_map; ids that only pad a capacity never count):
 
-1. the rank's distinct ids of a table, `jnp.unique(size=U)` with a sentinel past every row;
+1. the rank's distinct ids of a table, `[U]` ascending with a sentinel past every row after them
+   (`distinct_ids`: a map over the table's rows, or a sort where the table dwarfs the ids);
 2. the ids sorted, so those of owner `o` are one contiguous run: sent in a `[W, C]` block
    (`C = min(U, Rl)`: no run can overflow, at the price of W times the ids a balanced batch
    needs; a tighter capacity with an overflow path is left to do) by one `all_to_all`;
@@ -182,12 +183,49 @@ def touched_ids(values: dict, lengths: dict, keys: tuple[str, ...]) -> tuple[jax
     return jnp.concatenate(ids), jnp.concatenate(real)
 
 
+# Distinct ids and cache slots come from a map with one int32 per table row (a scatter, a
+# prefix sum, a gather) where the table has at most `ROWS_PER_ID` rows per id of the call, so
+# that the map's work and memory grow with the batch, never with the table alone; beyond, from
+# sorting the ids. On an H200 a sort of 15K ids costs ~65 us and a sorted search of 15K ids in
+# 12K ~100 us; the maps of a 100K-row table read below the timer's floor (docs/BENCHMARKS.md,
+# "jax: table ids without sorts").
+ROWS_PER_ID = 128
+
+
+def _by_map(num_rows: int, num_ids: int) -> bool:
+    return num_rows <= ROWS_PER_ID * max(num_ids, 1)
+
+
+def distinct_ids(ids: jax.Array, num_rows: int, size: int, fill: int) -> jax.Array:
+    """`[size]`: the distinct values of `ids` (any shape) in `[0, num_rows)`, ascending, then
+    `fill` (`>= num_rows`); the `size` smallest where more are distinct. The values of
+    `jnp.unique(where(in range, ids, fill), size=size, fill_value=fill)`, without its sort
+    where the table is small enough (`ROWS_PER_ID`)."""
+    ids = ids.reshape(-1)
+    ok = (ids >= 0) & (ids < num_rows)
+    if not _by_map(num_rows, ids.size):
+        return jnp.unique(jnp.where(ok, ids, fill), size=size, fill_value=fill)
+    present = jnp.zeros((num_rows,), jnp.int32)
+    present = present.at[jnp.where(ok, ids, num_rows)].set(1, mode="drop")
+    to = jnp.where(present > 0, jnp.cumsum(present) - 1, size)  # each present row's rank
+    out = jnp.full((size,), fill, ids.dtype)
+    return out.at[to].set(jnp.arange(num_rows, dtype=ids.dtype), mode="drop")
+
+
+def slot_map(cache_ids: jax.Array, num_rows: int) -> jax.Array:
+    """`[num_rows]` int32: each row's position in `cache_ids` (distinct ids; entries out of
+    `[0, num_rows)` are ignored), -1 for a row it lacks."""
+    ok = (cache_ids >= 0) & (cache_ids < num_rows)
+    pos = jnp.arange(cache_ids.shape[0], dtype=jnp.int32)
+    slots = jnp.full((num_rows,), -1, jnp.int32)
+    return slots.at[jnp.where(ok, cache_ids, num_rows)].set(pos, mode="drop")
+
+
 def unique_ids(ids: jax.Array, real: jax.Array, lay: TableLayout) -> jax.Array:
     """`[U]` distinct real ids, ascending, `lay.sentinel` after them. Ids out of `[0, rows)`
     (the host check stops them; a caller skipping it) are not touched: they read NaN."""
-    real = real & (ids >= 0) & (ids < lay.num_rows)
     size = min(ids.shape[0], lay.num_rows + 1)
-    return jnp.unique(jnp.where(real, ids, lay.sentinel), size=size, fill_value=lay.sentinel)
+    return distinct_ids(jnp.where(real, ids, lay.sentinel), lay.num_rows, size, lay.sentinel)
 
 
 def _capacity(num_unique: int, lay: TableLayout) -> int:
@@ -240,11 +278,21 @@ def send_grads(g_uniq: jax.Array, route: dict, axis: str) -> jax.Array:
     return jax.lax.all_to_all(_runs(g_uniq, route["start"], route["count"], c, 0.0), axis, 0, 0)
 
 
-def sum_by_row(rows: jax.Array, grads: jax.Array, fill: int, size: int):
-    """Distinct `rows` (`[size]`, `fill` after them) and the sum of the gradients of each."""
-    uniq, inverse = jnp.unique(rows.reshape(-1), size=size, fill_value=fill, return_inverse=True)
-    g = jax.ops.segment_sum(grads.reshape(-1, grads.shape[-1]), inverse.reshape(-1), size)
-    return uniq, g
+def sum_by_row(rows: jax.Array, grads: jax.Array, num_rows: int, fill: int, size: int):
+    """Distinct `rows` in `[0, num_rows)` (`[size]`, `fill` after them) and the sum of the
+    gradients of each; the gradients of the other entries (`fill`: zero rows) are left out."""
+    rows = rows.reshape(-1)
+    grads = grads.reshape(-1, grads.shape[-1])
+    ok = (rows >= 0) & (rows < num_rows)
+    if not _by_map(num_rows, rows.size):
+        uniq, inverse = jnp.unique(
+            jnp.where(ok, rows, fill), size=size, fill_value=fill, return_inverse=True
+        )
+        inverse = jnp.where(ok, inverse.reshape(-1), size)
+    else:
+        uniq = distinct_ids(rows, num_rows, size, fill)
+        inverse = jnp.where(ok, slot_map(uniq, num_rows)[jnp.where(ok, rows, 0)], size)
+    return uniq, jax.ops.segment_sum(grads, inverse, size)  # segment `size`: dropped
 
 
 def owner_rows(route: dict, g_recv: jax.Array, lay: TableLayout, axis: str):
@@ -252,18 +300,22 @@ def owner_rows(route: dict, g_recv: jax.Array, lay: TableLayout, axis: str):
     the ranks; `rows_per_rank` (out of bounds: dropped) after them."""
     local = _owned(route, lay, axis)
     size = min(local.size, lay.rows_per_rank + 1)
-    return sum_by_row(local, g_recv, lay.rows_per_rank, size)
+    return sum_by_row(local, g_recv, lay.rows_per_rank, lay.rows_per_rank, size)
 
 
 def cached_lookup(cache_ids: jax.Array, cache_rows: jax.Array, ids: jax.Array, num_rows: int):
     """Rows of `ids` (any shape) from a rank's cache. An id the cache lacks is capacity padding
     (every real id was fetched): a zero row, masked by the model; an id out of `[0, rows)`
     reads NaN, as the dense lookup does."""
-    # one sort of both instead of the default binary search (a loop of kernels on a GPU)
-    idx = jnp.searchsorted(cache_ids, ids, method="sort")
-    idx = jnp.clip(idx, 0, cache_ids.shape[0] - 1)
     in_range = ((ids >= 0) & (ids < num_rows))[..., None]
-    found = (cache_ids[idx] == ids)[..., None] & in_range  # never the sentinel's zero row
+    if _by_map(num_rows, max(cache_ids.shape[0], ids.size)):
+        idx = slot_map(cache_ids, num_rows)[jnp.where(in_range[..., 0], ids, 0)]
+        found = (idx >= 0)[..., None] & in_range
+        idx = jnp.maximum(idx, 0)
+    else:  # one sort of both (the default binary search is a loop of kernels on a GPU)
+        idx = jnp.searchsorted(cache_ids, ids, method="sort")
+        idx = jnp.clip(idx, 0, cache_ids.shape[0] - 1)
+        found = (cache_ids[idx] == ids)[..., None] & in_range  # never the sentinel's zero row
     miss = jnp.where(in_range, 0.0, jnp.nan).astype(cache_rows.dtype)
     return jnp.where(found, cache_rows[idx], miss)
 
@@ -352,7 +404,7 @@ def make_update(setup: EmbeddingSetup, mesh, axis: str):
                     rows, g = ids[0], g_rows[n][0]
                 else:
                     size = min(ids.size, lay.num_rows + 1)
-                    rows, g = sum_by_row(ids, g_rows[n], lay.sentinel, size)
+                    rows, g = sum_by_row(ids, g_rows[n], lay.num_rows, lay.sentinel, size)
                 w, st = apply_rows(
                     setup, tables["weights"][n], table_state(tables, n, fields), rows, g, t
                 )

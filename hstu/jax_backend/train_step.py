@@ -173,17 +173,18 @@ def _real_ids(batch: DeviceBatch, fill: int) -> jax.Array:
 
 
 def read_rows(table: jax.Array, batch: DeviceBatch) -> tuple[jax.Array, jax.Array] | None:
-    """`(ids [U], rows [U, D])`: the item table's rows `batch`'s real values read (sorted,
+    """`(ids [U], rows [U, D])`: the item table's rows `batch`'s real values read (ascending,
     deduplicated, padded with the out-of-range id `V` and zero rows to `U = read_capacity`,
-    known at trace time); None where `U` reaches the table's `V` rows (the dense gradient is
-    then no larger). A padding slot's id is left out: the model masks its token, and reads a
-    zero row for an id `ids` lacks (`embedding.cached_lookup`). `V` sorts after every id,
-    so where the real ids fill all `U` slots only the filler is cut."""
+    known at trace time; `embedding.distinct_ids`); None where `U` reaches the table's `V` rows
+    (the dense gradient is then no larger). A padding slot's id is left out: the model masks
+    its token, and reads a zero row for an id `ids` lacks (`embedding.cached_lookup`); an id
+    out of `[0, V)` (past the host check) reads NaN there. The real ids come first, so where
+    they fill all `U` slots only the filler is cut."""
     num_items = table.shape[0]
     size = read_capacity(batch)
     if size >= num_items:
         return None
-    ids = jax.numpy.unique(_real_ids(batch, num_items), size=size, fill_value=num_items)
+    ids = emb.distinct_ids(_real_ids(batch, num_items), num_items, size, num_items)
     return ids, table.at[ids].get(mode="fill", fill_value=0)
 
 
@@ -222,8 +223,7 @@ def make_train_step(
         out, (grads, g_rows) = jax.value_and_grad(rows_loss_fn, argnums=(0, 1), has_aux=True)(
             params, rows, ids, batch, global_loss_tokens, rng
         )
-        slot = jnp.full((num_items,), -1, jnp.int32)
-        slot = slot.at[ids].set(jnp.arange(ids.size, dtype=jnp.int32), mode="drop")
+        slot = emb.slot_map(ids, num_items)
         g_table = jnp.where(slot[:, None] >= 0, g_rows[jnp.maximum(slot, 0)], 0.0)
         embedding = {**grads["embedding"], "item": g_table.astype(table.dtype)}
         return out, {**grads, "embedding": embedding}
