@@ -361,11 +361,13 @@ print('torchrec', torchrec.__version__)" ;;
       # scripts/profile_step.py on bench_upstream: $PROFILE_STEPS steps, 3 traced from
       # $PROFILE_AT (past the steps that capture graphs or compile), per backend and batch size
       # ($PROFILE_BATCHES), overrides $PROFILE_ARGS; PROFILE_HLO=1: jax kernels named by their
-      # fusion in the optimized HLO; PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all). The
+      # fusion in the optimized HLO; PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all);
+      # PROFILE_TAG: a suffix for the logs (two profiles of one call, other $PROFILE_ARGS). The
       # traces stay on the machine (/tmp/hstu-traces).
       for backend in ${PROFILE_BACKENDS:-torch jax}; do
         for b in ${PROFILE_BATCHES:-32}; do
-          run "profile_${backend}_b$b" env OUT=/tmp/hstu-traces/${backend}_b$b \
+          run "profile_${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG}" \
+            env OUT=/tmp/hstu-traces/${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG} \
             python scripts/profile_step.py --backend $backend --config bench_upstream \
             --steps ${PROFILE_STEPS:-40} --profile-at ${PROFILE_AT:-32} --profile-steps 3 \
             --top ${PROFILE_TOP:-25} ${PROFILE_HLO:+--hlo} --world ${PROFILE_WORLD:-1} \
