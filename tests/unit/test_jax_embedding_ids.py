@@ -21,6 +21,12 @@ def path(request, monkeypatch):
     return request.param
 
 
+def _jit(f, **static):
+    """`f` with `static` bound, compiled as one program (op-by-op dispatch compiles every
+    primitive): a fresh function each call, so each path traces anew."""
+    return jax.jit(lambda *args: f(*args, **static))
+
+
 def _ids(rng, n: int, rows: int) -> np.ndarray:
     """Repeats, negatives and ids past the table among in-range ones."""
     ids = rng.integers(-3, rows + 3, size=n).astype(np.int32)
@@ -33,7 +39,8 @@ def test_distinct_ids_are_the_smallest_in_range_values_then_the_fill(path, rows,
     rng = np.random.default_rng(rows + n + size)
     ids = _ids(rng, n, rows)
     assert emb._by_map(rows, n) == (path == "map")
-    got = np.asarray(emb.distinct_ids(jnp.asarray(ids), rows, size, rows + 5))
+    distinct = _jit(emb.distinct_ids, num_rows=rows, size=size, fill=rows + 5)
+    got = np.asarray(distinct(jnp.asarray(ids)))
     want = np.unique(ids[(ids >= 0) & (ids < rows)])[:size]
     assert got.dtype == np.int32 and got.shape == (size,)
     np.testing.assert_array_equal(got[: want.size], want)
@@ -42,7 +49,7 @@ def test_distinct_ids_are_the_smallest_in_range_values_then_the_fill(path, rows,
 
 def test_slot_map_places_each_cached_id_and_ignores_the_rest():
     cache = jnp.asarray([2, 5, 9, 12, 12], jnp.int32)  # 12: a sentinel past 10 rows
-    got = np.asarray(emb.slot_map(cache, 10))
+    got = np.asarray(_jit(emb.slot_map, num_rows=10)(cache))
     want = np.full(10, -1)
     want[[2, 5, 9]] = [0, 1, 2]
     np.testing.assert_array_equal(got, want)
@@ -53,11 +60,18 @@ def test_cached_lookup_reads_cached_rows_zero_for_missing_ids_and_nan_out_of_ran
     table = rng.normal(size=(rows, 4)).astype(np.float32)
     ids = _ids(rng, (6 * 7), rows).reshape(6, 7)  # any shape
     real = rng.random(ids.shape) < 0.8
-    cache_ids = emb.distinct_ids(jnp.asarray(np.where(real, ids, rows)), rows, 30, rows)
-    cache_rows = jnp.asarray(table)[jnp.minimum(cache_ids, rows - 1)]
-    cache_rows = jnp.where((cache_ids < rows)[:, None], cache_rows, 0.0)
+    distinct = _jit(emb.distinct_ids, num_rows=rows, size=30, fill=rows)
+    cache_ids = distinct(jnp.asarray(np.where(real, ids, rows)))
+    cache_rows = jnp.asarray(
+        np.where(
+            (np.asarray(cache_ids) < rows)[:, None],
+            table[np.minimum(np.asarray(cache_ids), rows - 1)],
+            0.0,
+        )
+    )
+    lookup = _jit(emb.cached_lookup, num_rows=rows)
 
-    got = np.asarray(emb.cached_lookup(cache_ids, cache_rows, jnp.asarray(ids), rows))
+    got = np.asarray(lookup(cache_ids, cache_rows, jnp.asarray(ids)))
     in_range = (ids >= 0) & (ids < rows)
     cached = np.isin(ids, np.asarray(cache_ids)) & in_range
     np.testing.assert_array_equal(got[cached], table[ids[cached]])
@@ -66,12 +80,8 @@ def test_cached_lookup_reads_cached_rows_zero_for_missing_ids_and_nan_out_of_ran
 
     # the rows' gradient: each cached row collects the cotangents of its lookups
     cot = rng.normal(size=got.shape).astype(np.float32)
-    grad = jax.grad(
-        lambda r: jnp.sum(
-            emb.cached_lookup(cache_ids, r, jnp.asarray(ids), rows)
-            * jnp.where(jnp.isnan(jnp.asarray(got)), 0.0, cot)
-        )
-    )
+    weights = jnp.asarray(np.where(np.isnan(got), 0.0, cot))
+    grad = jax.jit(jax.grad(lambda r: jnp.sum(lookup(cache_ids, r, jnp.asarray(ids)) * weights)))
     g = np.asarray(grad(cache_rows))
     want = np.zeros_like(g)
     slot = {int(r): i for i, r in enumerate(np.asarray(cache_ids)) if r < rows}
@@ -86,7 +96,8 @@ def test_sum_by_row_sums_each_rows_gradients_and_leaves_the_fill_out(path, rows,
     ids = _ids(rng, n, rows).reshape(3, -1) if n % 3 == 0 else _ids(rng, n, rows)
     grads = rng.normal(size=(*ids.shape, 5)).astype(np.float32)
     size = min(ids.size, rows + 1)
-    uniq, g = emb.sum_by_row(jnp.asarray(ids), jnp.asarray(grads), rows, rows, size)
+    sums = _jit(emb.sum_by_row, num_rows=rows, fill=rows, size=size)
+    uniq, g = sums(jnp.asarray(ids), jnp.asarray(grads))
     uniq, g = np.asarray(uniq), np.asarray(g)
 
     flat, gflat = ids.reshape(-1), grads.reshape(-1, 5)
