@@ -20,13 +20,14 @@ Each kernel runs one CTA per head and per (block, sample) pair, heaviest first
   ``attention_mgpu``). HSTU's SiLU needs no running maximum: no rescaling of ``acc``.
 
 Jagged rows: TMA addresses global memory in the tiles of the swizzled shared buffers, so a
-tile must start on a multiple of 8 rows; the kernels read copies of q, k, v (dO) in which
-every sample starts on one (one gather each, at most 7 zero rows after a sample). Tiles start
-at the sample's first token, so a tile's tail may read the next sample's rows (masked out:
-never attended) or rows past the array (TMA fills zeros). A CTA's output tile always has
-``2 * block_q`` rows, so it goes to a buffer with one such tile per CTA (no CTA writes
-another's rows) and a gather brings the rows back to the jagged layout. Those gathers are
-memory traffic a model keeping its samples 8-aligned would not need.
+tile must start on a multiple of 8 rows. The kernels read q, k, v (dO) where they lie: a
+sample starting at row ``o`` is seen from row ``o - r`` (``r = o mod 8``), as ``r`` dead rows
+then its own, and the masks count the dead rows out (never attended, their outputs dropped).
+A tile's tail may read the next sample's rows (masked out the same way) or rows past the array
+(TMA fills zeros). A CTA's output tile always has ``2 * block_q`` rows, so it goes to a buffer
+with one such tile per CTA (no CTA writes another's rows) and a gather brings the rows back to
+the jagged layout. (Until 2026-11-29 the inputs were first gathered into copies with every
+sample 8-aligned: 0.40 ms a step at bench_upstream's batch 32 on an H200.)
 
 No relative biases, 16-bit inputs only, head dims multiples of 64 up to 256 (``supports``);
 the entry point uses the Triton lowering for the rest. Interpret mode
@@ -163,8 +164,12 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
     h = lax.axis_index("heads")
     j = lax.axis_index("pairs")
     wg = lax.axis_index("wg")
-    start, n, c, hist, blk = (meta_ref[f, j] for f in range(5))
-    start = start * 8  # samples start on multiples of 8 rows (TMA tiles)
+    start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
+    start = start * 8  # TMA tiles start on multiples of 8 rows
+    # The sample in the frame the tiles see: `dead` rows of the previous sample, then its own
+    # (row i of the frame is the sample's i - dead); context only where the sample has some.
+    n, hist = n + dead, hist + dead
+    c = jnp.where(c > 0, c + dead, 0)
     q0 = blk * (2 * bq)
     steps0 = _key_steps(q0, bq, bk, n, c, hist)
     steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist)
@@ -215,13 +220,17 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.barrier_wait(do_full.at[wg])
         plgpu.barrier_wait(q_full.at[wg])
         pl.when(wg == 1)(take_turn)
-        # Key tiles below min(qs, hist) are attended by every row: no mask there.
-        unmasked = jnp.minimum(lax.div(jnp.minimum(qs, hist), jnp.int32(bk)), steps)
+        # Key tiles below min(qs, hist) are attended by every row: no mask there, but for the
+        # first tile where it holds dead rows.
+        first = jnp.minimum(jnp.where(dead > 0, 1, 0), steps)
+        unmasked = jnp.maximum(
+            jnp.minimum(lax.div(jnp.minimum(qs, hist), jnp.int32(bk)), steps), first
+        )
 
         def keep(kv):
             i = qs + iota(0)
             jj = kv * bk + iota(1)
-            return (i == jj) | ((jj < hist) & ((jj <= i) | (i < c)))
+            return (jj >= dead) & ((i == jj) | ((jj < hist) & ((jj <= i) | (i < c))))
 
         def fwd_step(acc_ref, kv, slot, masked):
             def scores(s_ref):
@@ -274,7 +283,11 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.barrier_wait(k_full.at[0])
 
         def run(acc_ref):
-            @pl.loop(0, unmasked)
+            @pl.loop(0, first)
+            def _(kv):
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=True)
+
+            @pl.loop(first, unmasked)
             def _(kv):
                 step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=False)
 
@@ -342,26 +355,26 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     block = 2 * bq
     bsz = offs.shape[0] - 1
-    num = pairs(t_cap, bsz, max_seqlen, block)
-    blk, b, valid = schedule(jnp, offs, max_seqlen, num, block, key_major=False)
     # TMA reads global memory in the shared tiles' (8, 64) tiling, so a tile must start on a
-    # multiple of 8 rows: the kernel reads copies in which every sample starts on one (at
-    # most 7 rows of zeros after each sample).
+    # multiple of 8 rows: each sample is seen from the multiple of 8 at or before its start,
+    # with the rows between (at most 7, the previous sample's) dead. The blocks are the frame's.
+    offs = offs.astype(jnp.int32)
     lens = offs[1:] - offs[:-1]
-    aoffs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + 7) // 8 * 8)])
-    t_al = -(-t_cap // 8) * 8 + 8 * bsz  # static bound on aoffs[-1]
-    p = jnp.arange(t_al, dtype=jnp.int32)
-    sample_p = sample_of(aoffs[1:], t_al)
-    local_p = p - aoffs[sample_p]
-    src = jnp.where(local_p < lens[sample_p], offs[sample_p] + local_p, t_cap)  # t_cap: zeros
-    ins = [jnp.take(x, src, axis=0, mode="fill", fill_value=0) for x in (q, k, v)]
-    if kind == "dq":
-        ins.append(jnp.take(do, src, axis=0, mode="fill", fill_value=0))
-    start = aoffs[b] // 8  # in rows of 8: the kernel multiplies back
+    dead = offs[:-1] % 8
+    seen = jnp.where(lens > 0, lens + dead, 0)  # an empty sample: no block
+    frame = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seen)])
+    frame_seqlen = max_seqlen + 7
+    num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
+    blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=False)
+    ins = [q, k, v] if kind == "fwd" else [q, k, v, do]
+    if t_cap % 8:  # TMA also wants the arrays' rows in whole tiles (training capacities are)
+        ins = [jnp.pad(x, ((0, -t_cap % 8), (0, 0), (0, 0))) for x in ins]
+    start = (offs[b] - dead[b]) // 8  # in rows of 8: the kernel multiplies back
     n = jnp.where(valid != 0, lens[b], 0)
     c = jnp.zeros_like(n) if ctx is None else ctx[b]
     hist = n if cand is None else jnp.clip(n - cand[b], 0, n)
-    meta = jnp.stack([start, n, c, hist, blk]).astype(jnp.int32)  # [5, num]
+    r = jnp.where(valid != 0, dead[b], 0)
+    meta = jnp.stack([start, n, c, hist, blk, r]).astype(jnp.int32)  # [6, num]
 
     # A wgmma contracting over the key tiles' rows (P v, dS k) needs K to be a multiple of
     # the swizzle's width (in elements), and both operands of a wgmma one swizzle: 32-row key
@@ -415,13 +428,13 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     )(meta, *ins)
 
     # Each token's row in the CTA tiles: its (block, sample) pair's entry, then its offset.
-    levels = -(-max_seqlen // block)
+    levels = -(-frame_seqlen // block)
     owner = jnp.where(valid != 0, b, bsz)  # entries without work scatter nowhere
     entry_of = jnp.zeros((bsz, levels), jnp.int32)
     entry_of = entry_of.at[owner, blk].set(jnp.arange(num, dtype=jnp.int32), mode="drop")
     t = jnp.arange(t_cap, dtype=jnp.int32)
     sample = sample_of(offs[1:], t_cap)
-    local = t - offs[sample]
+    local = t - offs[sample] + dead[sample]  # in the sample's frame
     level = jnp.clip(local // block, 0, levels - 1)
     rows = entry_of[sample, level] * block + local % block
     out = jnp.take(tiles_out, rows, axis=0)

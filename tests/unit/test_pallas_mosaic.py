@@ -19,6 +19,8 @@ callbacks: it needs at least 4 host devices' threads (``make test-mosaic`` sets 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,32 @@ def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
 
     text = jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kind", ["fwd", "dq"])
+def test_the_kernels_read_the_callers_rows_in_place(kind):
+    """No copy of q, k, v (dO) before the kernel, though most samples start off a multiple of
+    8 rows: the program's only gather of `[T, H, D]` rows is the one that brings the output
+    back from the CTA tiles, and nothing is padded where T is whole 8-row tiles."""
+    q, k, v, offs, kw = _inputs(
+        64, 64, heads=4, pad=11 + (-(int(sum(x[0] for x in LENGTHS)) + 11) % 8)
+    )
+    assert q.shape[0] % 8 == 0 and int(offs[1]) % 8 != 0
+    ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
+    tiles = _mosaic.default_tiles(kind, 64, 64)
+
+    def f(q, k, v, offs, ctx, cand):
+        if kind == "fwd":
+            return _mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
+        do = jnp.zeros_like(v)
+        return _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
+
+    text = jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",))
+    rows = re.compile(r"-> tensor<\d+x4x64xbf16>")  # rows of q, k, v, dO or the output
+    gathers = [ln for ln in text.as_text().splitlines() if "gather" in ln and rows.search(ln)]
+    assert len(gathers) == 1 and f"tensor<{q.shape[0]}x4x64xbf16>" in gathers[0], gathers
+    assert "stablehlo.pad" not in text.as_text()
 
 
 def test_bad_lowering_choices_are_named():
