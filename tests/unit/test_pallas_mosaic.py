@@ -77,6 +77,21 @@ def _reference(q, k, v, offs, **kw):
     return hstu_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), offs, **kw)
 
 
+def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
+    """The compiled path of one kernel (``fwd`` or ``dq``, default tiles), lowered for CUDA."""
+    kw = dict(kw)
+    ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
+    tiles = _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
+
+    def f(q, k, v, offs, ctx, cand):
+        if kind == "fwd":
+            return _mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
+        do = jnp.zeros_like(v)
+        return _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
+
+    return jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @needs_mosaic
 @needs_threads
 @pytest.mark.parametrize(
@@ -116,18 +131,7 @@ def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
 @pytest.mark.parametrize(("dqk", "dv"), [(64, 64), (128, 128), (256, 256), (128, 256), (256, 128)])
 @pytest.mark.parametrize("kind", ["fwd", "dq"])
 def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
-    q, k, v, offs, kw = _inputs(dqk, dv, heads=4)
-    ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
-    tiles = _mosaic.default_tiles(kind, dqk, dv)
-
-    def f(q, k, v, offs, ctx, cand):
-        if kind == "fwd":
-            return _mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
-        do = jnp.zeros_like(v)
-        return _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
-
-    text = jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in text.as_text()
+    assert "mosaic_gpu" in _lowered_for_cuda(kind, *_inputs(dqk, dv, heads=4))
 
 
 @needs_mosaic
@@ -140,20 +144,11 @@ def test_the_kernels_read_the_callers_rows_in_place(kind):
         64, 64, heads=4, pad=11 + (-(int(sum(x[0] for x in LENGTHS)) + 11) % 8)
     )
     assert q.shape[0] % 8 == 0 and int(offs[1]) % 8 != 0
-    ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
-    tiles = _mosaic.default_tiles(kind, 64, 64)
-
-    def f(q, k, v, offs, ctx, cand):
-        if kind == "fwd":
-            return _mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
-        do = jnp.zeros_like(v)
-        return _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
-
-    text = jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",))
+    text = _lowered_for_cuda(kind, q, k, v, offs, kw)
     rows = re.compile(r"-> tensor<\d+x4x64xbf16>")  # rows of q, k, v, dO or the output
-    gathers = [ln for ln in text.as_text().splitlines() if "gather" in ln and rows.search(ln)]
+    gathers = [ln for ln in text.splitlines() if "gather" in ln and rows.search(ln)]
     assert len(gathers) == 1 and f"tensor<{q.shape[0]}x4x64xbf16>" in gathers[0], gathers
-    assert "stablehlo.pad" not in text.as_text()
+    assert "stablehlo.pad" not in text
 
 
 def test_bad_lowering_choices_are_named():
