@@ -41,6 +41,7 @@ def test_pack_order_is_a_permutation_whose_blocks_pad_less(rng):
     assert pack_order(np.arange(1, 24), 16, policy).tolist() == list(range(23))
 
 
+@pytest.mark.slow  # ~11 s: 1,000 batches built
 def test_the_upstream_recipe_meets_eight_programs_and_ten_percent_over_500_steps():
     """Issue 13's bound, on the batches a 500-step bench_upstream run at batch 32 reads (W=1):
     the capacities each step pads to and the mean relative padding, packed and not."""

@@ -30,6 +30,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow  # ~12 s: two jax processes start and compile
 def test_jax_bad_batch_in_one_process_ends_both_in_seconds(tmp_path):
     pytest.importorskip("jax")
     import robustness_workers as rw
@@ -61,6 +62,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # ~11 s: a torchrun launcher and its ranks start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_torch_ranks_die_with_their_launcher_even_with_sigint_ignored(tmp_path):
     pytest.importorskip("torchrec")

@@ -318,6 +318,7 @@ def _placed(backend: JaxBackend, cfg, host, gather: bool = True):
     return placed, int(stats[:, STAT_LOSS_TOKENS].sum())
 
 
+@pytest.mark.slow  # ~11 s: two programs compiled
 def test_step_takes_the_placed_loss_tokens_unchanged():
     """The count placed with the batch (a replicated device scalar) trains exactly like the
     host scalar of a batch that skipped the stats gather, and the step compiles once for it

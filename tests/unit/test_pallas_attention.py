@@ -54,8 +54,14 @@ GPU_ONLY = {"long_bf16"}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 5e-3}
 TOL_GPU_F32 = 1e-4  # Triton's fp32 dot and exp differ slightly from XLA's
 
+SLOW_ON_CPU = {"all_f32"}  # ~12 s interpreted; all_bf16 runs every feature in `make test`
 PARAMS = [
-    pytest.param("interpret", case, id=f"interpret-{case}")
+    pytest.param(
+        "interpret",
+        case,
+        id=f"interpret-{case}",
+        marks=[pytest.mark.slow] if case in SLOW_ON_CPU else [],
+    )
     for case in CASES
     if case not in GPU_ONLY
 ] + [pytest.param("gpu", case, id=f"gpu-{case}", marks=pytest.mark.gpu) for case in CASES]

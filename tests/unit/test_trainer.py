@@ -18,9 +18,9 @@ from hstu.metrics import STEP_FIELDS, read_rows
 BACKENDS = ("torch", "jax")
 
 
-def _available(name: str):
+def _available(name: str, *marks):
     ok, why = backends.available(name)
-    return pytest.param(name, marks=pytest.mark.skipif(not ok, reason=why))
+    return pytest.param(name, marks=[pytest.mark.skipif(not ok, reason=why), *marks])
 
 
 PARAMS = [_available(b) for b in BACKENDS]
@@ -134,7 +134,8 @@ def test_resume_with_nothing_to_resume_starts_at_step_zero(backend, tmp_path, ca
     assert row["step"] == 0
 
 
-@pytest.mark.parametrize("backend", PARAMS)
+# jax's run (~12 s of compiling three programs) is in the slow tier; torch's holds the logic here
+@pytest.mark.parametrize("backend", [_available("torch"), _available("jax", pytest.mark.slow)])
 def test_a_packed_run_resumes_and_refuses_a_changed_packing_inside_a_window(
     backend, tmp_path, capsys
 ):
