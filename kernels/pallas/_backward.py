@@ -212,6 +212,11 @@ def _backward(cfg: _Cfg, res, g):
             [*_aux_inputs(dq_cfg, sched, offs, ctx, cand, ts, rab_pos, rab_time), q, k, v, do],
             "hstu_attention_bwd_dq",
         )
+    if cfg.lowering == "mosaic":  # no biases: nothing but dk, dv
+        dk, dv = _mosaic.backward_dkdv(q, k, v, do, offs, ctx, cand, **cfg.mosaic_kwargs("dkdv"))
+        zero = jnp.zeros((), q.dtype)
+        dq = jnp.where(tok, dq, zero)
+        return dq, dk, dv, None, None, None, None, None, None
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if kv.time_size:
         out_shape.append(jax.ShapeDtypeStruct((bsz, heads, kv.nkb, kv.time_pad), jnp.float32))

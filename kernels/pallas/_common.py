@@ -146,16 +146,16 @@ class _Cfg:
     time_size: int  # Tb, 0 when rab_time is None
     fast_math: bool  # sigmoid via tanh.approx (compiled 16-bit inputs only)
     kernel: str = "fwd"
-    lowering: str = "triton"  # forward and dq kernels: triton | mosaic (``_mosaic.py``)
-    mosaic_tiles: tuple = ()  # (forward, dq) ``_mosaic.MosaicTiles`` when lowering is mosaic
+    lowering: str = "triton"  # the kernels' lowering: triton | mosaic (``_mosaic.py``)
+    mosaic_tiles: tuple = ()  # (forward, dq, dk/dv) ``_mosaic.MosaicTiles`` when mosaic
 
     def mosaic_kwargs(self, kind: str) -> dict:
-        """Keyword arguments of ``_mosaic.forward`` / ``backward_dq``."""
+        """Keyword arguments of ``_mosaic.forward`` / ``backward_dq`` / ``backward_dkdv``."""
         return dict(
             max_seqlen=self.max_seqlen,
             alpha=self.alpha,
             normalizer=self.normalizer,
-            tiles=self.mosaic_tiles[("fwd", "dq").index(kind)],
+            tiles=self.mosaic_tiles[("fwd", "dq", "dkdv").index(kind)],
             interpret=self.interpret,
         )
 

@@ -1,43 +1,52 @@
-"""HSTU attention kernels in Mosaic GPU (Hopper: TMA loads, wgmma, warp groups): the forward
-and the query gradient.
+"""HSTU attention kernels in Mosaic GPU (Hopper: TMA loads, wgmma, warp groups): the forward,
+the query gradient and the key / value gradients.
 
 jax 0.11 deprecates the Triton lowering of Pallas on GPU; Mosaic GPU
-(``jax.experimental.pallas.mosaic_gpu``) is its successor. This module holds the two
-query-major kernels in it; the key-major dk / dv kernel stays with the Triton lowering
-(``_backward.py``). Neither needs anything saved beyond q, k and v.
+(``jax.experimental.pallas.mosaic_gpu``) is its successor. None of the kernels needs anything
+saved beyond q, k and v.
 
 Each kernel runs one CTA per head and per (block, sample) pair, heaviest first
-(``kernels/schedule.py``, block ``2 * block_q``), with three warp groups:
+(``kernels/schedule.py``), with three warp groups: warp group 2 (producer) streams tiles of
+the sample through ``stages`` shared-memory slots with TMA, refilling a slot once both
+consumers released it; warp groups 0 and 1 (consumers) run the matmuls on wgmma with the
+elementwise work in registers. HSTU's SiLU needs no running maximum: no rescaling.
 
-* warp group 2 (producer) streams the key / value tiles of the sample through ``stages``
-  shared-memory slots with TMA, refilling a slot once both consumers released it;
-* warp groups 0 and 1 (consumers) each own ``block_q`` query rows. Forward, per key tile:
-  ``S = q k^T`` (wgmma into registers), ``P = silu(alpha S) / N`` masked where the pair is
-  not attended, ``acc += P v`` (wgmma, P from registers). dq: ``S = q k^T`` and
-  ``dP = dO v^T``, ``dS = dP silu'(alpha S) / N`` masked, ``acc += dS k``; times alpha at
-  the end. A shared "turn" barrier staggers the two consumers so one's elementwise work
-  overlaps the other's matmuls (the ping-pong of flash-attention 3 and of jax's
-  ``attention_mgpu``). HSTU's SiLU needs no running maximum: no rescaling of ``acc``.
+* Forward and dq (query-major, block ``2 * block_q``): the producer streams key / value
+  tiles; each consumer owns ``block_q`` query rows. Forward, per key tile: ``S = q k^T``,
+  ``P = silu(alpha S) / N`` masked where the pair is not attended, ``acc += P v`` (P from
+  registers). dq: ``S = q k^T`` and ``dP = dO v^T``, ``dS = dP silu'(alpha S) / N`` masked,
+  ``acc += dS k``; times alpha at the end. A shared "turn" barrier staggers the two consumers
+  so one's elementwise work overlaps the other's matmuls (the ping-pong of flash-attention 3
+  and of jax's ``attention_mgpu``).
+* dk / dv (key-major, block ``block_q``): the CTA holds ``block_q`` keys and their values;
+  the producer streams the query / dO tiles that see them. Warp group 0 accumulates
+  ``dv += P^T dO`` (``S^T = k q^T``), warp group 1 ``dk += dS^T q`` (``S^T`` and
+  ``dP^T = v dO^T``), so each holds one ``[block_q, D]`` fp32 accumulator: at head dim 256
+  the two would take all of one warp group's registers. ``S^T`` is computed by both (five
+  matmuls per tile pair where one warp group holding both would run four), the price of
+  fitting; the two then run side by side on the SM.
 
 Jagged rows: TMA addresses global memory in the tiles of the swizzled shared buffers, so a
 tile must start on a multiple of 8 rows. The kernels read q, k, v (dO) where they lie: a
 sample starting at row ``o`` is seen from row ``o - r`` (``r = o mod 8``), as ``r`` dead rows
-then its own, and the masks count the dead rows out (never attended, their outputs dropped).
-A tile's tail may read the next sample's rows (masked out the same way) or rows past the array
-(TMA fills zeros). A CTA's output tile always has ``2 * block_q`` rows, so it goes to a buffer
-with one such tile per CTA (no CTA writes another's rows) and a gather brings the rows back to
-the jagged layout. (Until 2026-11-29 the inputs were first gathered into copies with every
-sample 8-aligned: 0.40 ms a step at bench_upstream's batch 32 on an H200.)
+then its own, and the masks count the dead rows out (never attended, their outputs dropped;
+dk / dv also drop dead and past-the-end query rows, which would otherwise add to the keys'
+gradients). A tile's tail may read the next sample's rows (masked out the same way) or rows
+past the array (TMA fills zeros). A CTA's output tile always has ``block`` rows, so it goes
+to a buffer with one such tile per CTA (no CTA writes another's rows) and a gather brings the
+rows back to the jagged layout. (Until 2026-11-29 the inputs were first gathered into copies
+with every sample 8-aligned: 0.40 ms a step at bench_upstream's batch 32 on an H200.)
 
 No relative biases, 16-bit inputs only, head dims multiples of 64 up to 256 (``supports``);
 the entry point uses the Triton lowering for the rest. Interpret mode
 (``InterpretGPUParams``) runs the same kernels on the CPU for the tests.
 
 Status: checked in Mosaic GPU's interpreter, lowered for CUDA on the CPU and compiled against
-the reference on an H200 (``tests/unit/test_pallas_mosaic.py``). Timed there against the Triton
-lowering: forward 1.08-1.26x on the recipe's jagged batches and 0.99-1.01x on equal lengths at
-head dim 256, 0.78-1.19x at head dim 64 (kernels/README.md); not the default
-(``model.pallas_lowering``) until it holds 0.85x everywhere and the training step is timed.
+the reference and the Triton lowering on an H200 (``tests/unit/test_pallas_mosaic.py``).
+Timed there against the Triton lowering on the recipe's jagged batches and 8 x 4096 (forward +
+backward, kernels/README.md): 1.02-1.32x at head dims 64 to 256, the forward 0.6-1.26x (below
+0.85x on one batch of short samples at head dims 64 and 128); ``auto`` in bench_upstream, not
+the option's default.
 """
 
 from __future__ import annotations
@@ -67,14 +76,15 @@ except ImportError:  # pragma: no cover
 _JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 
 
-KINDS = ("fwd", "dq")  # the kernels written in Mosaic GPU (dk / dv stays Triton's)
+KINDS = ("fwd", "dq", "dkdv")  # the kernels written in Mosaic GPU
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-    """Tiling of one Mosaic GPU kernel: ``block_q`` query rows per consumer warp group (64:
-    one wgmma row block), ``block_kv`` key rows per tile (a multiple of 32; 32 puts the
-    shared buffers on a 64-byte swizzle) and ``stages`` key / value slots (>= 2)."""
+    """Tiling of one Mosaic GPU kernel: ``block_q`` rows of a consumer warp group's matmuls
+    (64: one wgmma row block; query rows, or key rows for dk / dv), ``block_kv`` rows per
+    streamed tile (key rows, or query rows for dk / dv; a multiple of 32, where 32 puts the
+    shared buffers on a 64-byte swizzle) and ``stages`` streamed slots (>= 2)."""
 
     block_q: int = 64
     block_kv: int = 64
@@ -97,7 +107,10 @@ _SMEM_BYTES = 227 * 1024 - 1024
 
 def smem_bytes(kind: str, tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int = 2) -> int:
     """Shared memory kernel ``kind`` takes: per consumer a query tile (dq: and a dO tile; an
-    output tile unless it fits in the query tile), and the key / value slots."""
+    output tile unless it fits in the query tile), and the key / value slots; dk / dv: the
+    CTA's key and value tiles and the query / dO slots."""
+    if kind == "dkdv":
+        return (tiles.block_q + tiles.stages * tiles.block_kv) * (d_qk + d_v) * itemsize
     d_out = d_v if kind == "fwd" else d_qk
     per_rows = d_qk + (d_out if d_out != d_qk else 0) + (d_v if kind == "dq" else 0)
     kv = tiles.stages * tiles.block_kv * (d_qk + d_v)
@@ -105,7 +118,7 @@ def smem_bytes(kind: str, tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int
 
 
 def default_tiles(kind: str, d_qk: int, d_v: int) -> MosaicTiles:
-    """64-row key tiles where they fit in shared memory, else 32 (dq at head dim 256)."""
+    """64-row streamed tiles where they fit in shared memory, else 32 (dq at head dim 256)."""
     tiles = MosaicTiles()
     if smem_bytes(kind, tiles, d_qk, d_v) > _SMEM_BYTES:
         tiles = MosaicTiles(block_kv=32)
@@ -113,8 +126,8 @@ def default_tiles(kind: str, d_qk: int, d_v: int) -> MosaicTiles:
 
 
 def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
-    """None when the Mosaic GPU kernels can run this call with ``tiles`` (forward, dq), else
-    why not."""
+    """None when the Mosaic GPU kernels can run this call with ``tiles`` (forward, dq, dk /
+    dv; a (forward, dq) pair takes the default dk / dv tiles), else why not."""
     if has_bias:
         return "relative biases are not implemented in the Mosaic GPU kernels"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -122,7 +135,7 @@ def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
     for name, d in (("Dqk", d_qk), ("Dv", d_v)):
         if d % 64 or not 64 <= d <= 256:
             return f"{name}={d} (a multiple of 64 up to 256)"
-    for kind, t in zip(KINDS, tiles, strict=True):
+    for kind, t in zip(KINDS, full_tiles(tiles, d_qk, d_v), strict=True):
         if smem_bytes(kind, t, d_qk, d_v) > _SMEM_BYTES:
             return f"{kind} tiles {t} need {smem_bytes(kind, t, d_qk, d_v)} bytes of shared memory"
     if plgpu is None or InterpretGPUParams is None:
@@ -130,6 +143,17 @@ def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
     if _JAX_VERSION < (0, 11):
         return f"jax {jax.__version__} (the kernels are written for jax >= 0.11)"
     return None
+
+
+def full_tiles(tiles, d_qk: int, d_v: int) -> tuple:
+    """``tiles`` for every kernel of ``KINDS``: a (forward, dq) pair gets the default dk / dv
+    tiles for these head dims."""
+    tiles = tuple(tiles)
+    if len(tiles) == len(KINDS) - 1:
+        tiles += (default_tiles("dkdv", d_qk, d_v),)
+    if len(tiles) != len(KINDS):
+        raise ValueError(f"mosaic tiles: expected one per kernel {KINDS}, got {len(tiles)}")
+    return tiles
 
 
 def _cdiv(x, d: int):
@@ -346,14 +370,179 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.barrier_wait(v_free.at[slot])
 
 
+def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
+    """The query tiles that see keys [k0, k0 + bk) of a sample (in its frame: ``dead`` rows
+    first), as steps ``0 .. steps``: ``tile(s)`` and the steps ``[u0, u1)`` whose tiles need
+    no mask. Contextual rows (tiles below ``cdiv(c, bq)``) see every history key; the others
+    see keys at or before them; a block of candidate keys only its diagonal."""
+    has_hist = k0 < hist
+    end_a = jnp.where(has_hist, _cdiv(c, bq), 0)
+    lo_b = jnp.maximum(end_a, lax.div(k0, jnp.int32(bq)))
+    hi_b = jnp.where(has_hist, _cdiv(n, bq), _cdiv(jnp.minimum(k0 + bk, n), bq))
+    hi_b = jnp.maximum(hi_b, lo_b)
+    # Unmasked: every key of the block a live history key, every query row of the tile in the
+    # sample and at or after the block's last key.
+    full_keys = ((k0 > 0) | (dead == 0)) & (k0 + bk <= hist)
+    q_int = jnp.where(full_keys, jnp.clip(_cdiv(k0 + bk - 1, bq), lo_b, hi_b), hi_b)
+    q_end = jnp.clip(lax.div(n, jnp.int32(bq)), q_int, hi_b)
+
+    def tile(s):
+        return jnp.where(s < end_a, s, s - end_a + lo_b)
+
+    shift = end_a - lo_b
+    return tile, end_a + hi_b - lo_b, q_int + shift, q_end + shift
+
+
+def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
+    """One CTA: ``block_q`` key rows of one sample and head, both gradients. Warp group 0
+    accumulates dv (``P^T dO``), warp group 1 dk (``dS^T q``, ``S^T`` recomputed: at head dim
+    256 one warp group cannot hold both ``[64, D]`` fp32 accumulators); warp group 2 streams
+    the query / dO tiles that see the keys."""
+    q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, scoped = refs
+    (k_smem, v_smem, q_smem, do_smem, t_smem2), (kv_full, q_full, do_full), free, done = scoped
+    bk, bq, stages = tiles.block_q, tiles.block_kv, tiles.stages
+    dtype = q_ref.dtype
+    h = lax.axis_index("heads")
+    j = lax.axis_index("pairs")
+    wg = lax.axis_index("wg")
+    start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
+    start = start * 8
+    n, hist = n + dead, hist + dead
+    c = jnp.where(c > 0, c + dead, 0)
+    k0 = blk * bk
+    tile, steps, u0, u1 = _query_tiles(k0, bk, bq, n, c, hist, dead)
+    inv_n = jnp.float32(1.0 / normalizer)
+
+    def iota(dim):
+        if interpreted:
+            return lax.broadcasted_iota(jnp.int32, (bk, bq), dim)
+        return plgpu.broadcasted_iota(jnp.int32, (bk, bq), dim, layout=plgpu.Layout.WGMMA)
+
+    def keep(t):
+        jj = k0 + iota(0)  # keys: the rows here
+        i = t * bq + iota(1)
+        attended = (i == jj) | ((jj < hist) & ((jj <= i) | (i < c)))
+        return (jj >= dead) & (i >= dead) & (i < n) & attended
+
+    def scores_t(slot, with_dp: bool):
+        """``S^T = k q^T`` (and ``dP^T = v dO^T``) for the query tile in ``slot``."""
+
+        def body(s_ref, dp_ref=None):
+            plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+            if dp_ref is not None:
+                plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+                return s_ref[...], dp_ref[...]
+            return s_ref[...]
+
+        acc = plgpu.ACC((bk, bq), jnp.float32)
+        return pl.run_scoped(body, acc, acc) if with_dp else pl.run_scoped(body, acc)
+
+    def accumulate(t16, b_smem, acc_ref, slot):
+        """``acc += t16 @ b`` (t16 from registers; through shared memory in the interpreter,
+        whose wgmma reads only shared memory), then release the slot."""
+        if interpreted:
+            t_smem2.at[wg][...] = t16
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
+        else:
+            plgpu.wgmma(acc_ref, t16, b_smem)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(free.at[slot])
+
+    def dv_step(acc_ref, s, masked):
+        slot = lax.rem(s, jnp.int32(stages))
+        plgpu.barrier_wait(q_full.at[slot])
+        plgpu.barrier_wait(do_full.at[slot])
+        st = scores_t(slot, with_dp=False)
+        # silu(alpha s) / N = (alpha s / 2N) (1 + tanh(alpha s / 2))
+        p = (st * jnp.float32(0.5 * alpha / normalizer)) * (
+            1.0 + jnp.tanh(st * jnp.float32(0.5 * alpha))
+        )
+        if masked:
+            p = jnp.where(keep(tile(s)), p, 0.0)
+        accumulate(p.astype(dtype), do_smem.at[slot], acc_ref, slot)
+
+    def dk_step(acc_ref, s, masked):
+        slot = lax.rem(s, jnp.int32(stages))
+        plgpu.barrier_wait(q_full.at[slot])
+        plgpu.barrier_wait(do_full.at[slot])
+        st, dpt = scores_t(slot, with_dp=True)
+        x = st * jnp.float32(alpha)
+        sig = 0.5 + 0.5 * jnp.tanh(x * 0.5)
+        ds = dpt * (sig * (1.0 + x * (1.0 - sig))) * inv_n
+        if masked:
+            ds = jnp.where(keep(tile(s)), ds, 0.0)
+        accumulate(ds.astype(dtype), q_smem.at[slot], acc_ref, slot)
+
+    def consume(step, d: int, out_smem, out_ref, scale: float):
+        def run(acc_ref):
+            @pl.loop(0, u0)
+            def _(s):
+                step(acc_ref, s, masked=True)
+
+            @pl.loop(u0, u1)
+            def _(s):
+                step(acc_ref, s, masked=False)
+
+            @pl.loop(u1, steps)
+            def _(s):
+                step(acc_ref, s, masked=True)
+
+            return acc_ref[...]
+
+        acc = pl.run_scoped(run, plgpu.ACC((bk, d), jnp.float32))
+        if scale != 1.0:
+            acc = acc * jnp.float32(scale)
+        # Both warp groups are done reading k and v: each writes its gradient over one.
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        out_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(j * bk, bk), h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(kv_full.at[0])
+        plgpu.barrier_wait(kv_full.at[1])
+        pl.when(wg == 0)(lambda: consume(dv_step, dv_ref.shape[-1], v_smem, dv_ref, 1.0))
+        pl.when(wg == 1)(lambda: consume(dk_step, dk_ref.shape[-1], k_smem, dk_ref, alpha))
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        rows = pl.ds(start + k0, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem, kv_full.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem, kv_full.at[1])
+
+        def fetch(s, slot):
+            rows = pl.ds(start + tile(s) * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem.at[slot], q_full.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem.at[slot], do_full.at[slot])
+
+        for i in range(stages):
+            pl.when(i < steps)(functools.partial(fetch, i, i))
+
+        @pl.loop(stages, steps)
+        def _(s):
+            slot = lax.rem(s, jnp.int32(stages))
+            plgpu.barrier_wait(free.at[slot])
+            fetch(s, slot)
+
+        @pl.loop(jnp.maximum(steps - stages, 0), steps)
+        def _(s):
+            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+
+
 def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, tiles, interpret):
     """Run the ``kind`` kernel over the jagged batch: ``[T, H, D]`` (D: Dv for "fwd", Dqk for
-    "dq") in ``q.dtype``, zero past ``offs[-1]``."""
+    "dq"; "dkdv": the pair dk, dv) in ``q.dtype``, zero past ``offs[-1]``."""
     t_cap, heads, d_qk = q.shape
     d_v = v.shape[-1]
-    d_out = d_v if kind == "fwd" else d_qk
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-    block = 2 * bq
+    key_major = kind == "dkdv"
+    block = bq if key_major else 2 * bq  # rows a CTA owns: its keys, or two query blocks
     bsz = offs.shape[0] - 1
     # TMA reads global memory in the shared tiles' (8, 64) tiling, so a tile must start on a
     # multiple of 8 rows: each sample is seen from the multiple of 8 at or before its start,
@@ -365,7 +554,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     frame = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seen)])
     frame_seqlen = max_seqlen + 7
     num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
-    blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=False)
+    blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=key_major)
     ins = [q, k, v] if kind == "fwd" else [q, k, v, do]
     if t_cap % 8:  # TMA also wants the arrays' rows in whole tiles (training capacities are)
         ins = [jnp.pad(x, ((0, -t_cap % 8), (0, 0), (0, 0))) for x in ins]
@@ -376,47 +565,72 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     r = jnp.where(valid != 0, dead[b], 0)
     meta = jnp.stack([start, n, c, hist, blk, r]).astype(jnp.int32)  # [6, num]
 
-    # A wgmma contracting over the key tiles' rows (P v, dS k) needs K to be a multiple of
-    # the swizzle's width (in elements), and both operands of a wgmma one swizzle: 32-row key
-    # tiles put every buffer on a 64-byte swizzle.
+    # A wgmma contracting over the streamed tiles' rows (P v, dS k; P^T dO, dS^T q) needs K
+    # to be a multiple of the swizzle's width (in elements), and both operands of a wgmma one
+    # swizzle: 32-row streamed tiles put every buffer on a 64-byte swizzle.
     swizzle = min(128, bk * 2)
     smem = functools.partial(
         plgpu.SMEM,
         transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)),
     )
     interpreted = bool(interpret)
-    buffers = [
-        smem((2, bq, d_qk), q.dtype),
-        smem((stages, bk, d_qk), q.dtype),
-        smem((stages, bk, d_v), q.dtype),
-        smem((2, bq, bk), q.dtype) if interpreted else None,  # P / dS for the interpreter
-        smem((2, bq, d_out), q.dtype) if d_out != d_qk else None,
-    ]
-    barriers = [
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=2),
-    ]
-    if kind == "dq":
-        buffers.append(smem((2, bq, d_v), q.dtype))
-        barriers.append(plgpu.Barrier(num_barriers=2))
+    # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
+    t_buf = smem((2, bq, bk), q.dtype) if interpreted else None
+    if key_major:
+        buffers = [
+            smem((bq, d_qk), q.dtype),
+            smem((bq, d_v), q.dtype),
+            smem((stages, bk, d_qk), q.dtype),
+            smem((stages, bk, d_v), q.dtype),
+            t_buf,
+        ]
+        barriers = [
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        ]
+        rest = (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
+        body = functools.partial(_key_kernel, tiles=tiles, alpha=alpha, normalizer=normalizer)
+        out_type = (
+            jax.ShapeDtypeStruct((num * block, heads, d_qk), q.dtype),
+            jax.ShapeDtypeStruct((num * block, heads, d_v), q.dtype),
+        )
+    else:
+        d_out = d_v if kind == "fwd" else d_qk
+        buffers = [
+            smem((2, bq, d_qk), q.dtype),
+            smem((stages, bk, d_qk), q.dtype),
+            smem((stages, bk, d_v), q.dtype),
+            t_buf,
+            smem((2, bq, d_out), q.dtype) if d_out != d_qk else None,
+        ]
+        barriers = [
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2),
+        ]
+        if kind == "dq":
+            buffers.append(smem((2, bq, d_v), q.dtype))
+            barriers.append(plgpu.Barrier(num_barriers=2))
+        rest = ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,)
+        rest += (plgpu.Barrier(num_arrivals=2),)
+        body = functools.partial(
+            _query_kernel, kind=kind, tiles=tiles, alpha=alpha, normalizer=normalizer
+        )
+        out_type = jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype)
 
     def entry(meta_ref, *refs):
         pl.run_scoped(
-            lambda *scoped: _query_kernel(
-                meta_ref, *refs, scoped, kind=kind, tiles=tiles, alpha=alpha,
-                normalizer=normalizer, interpreted=interpreted,
-            ),
+            lambda *scoped: body(meta_ref, *refs, scoped, interpreted=interpreted),
             tuple(buffers),
             tuple(barriers),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=2),
+            *rest,
             collective_axes="wg",
-        )  # fmt: skip
+        )
 
-    tiles_out = plgpu.kernel(
+    outs = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype),
+        out_type=out_type,
         grid=(heads, num),
         grid_names=("heads", "pairs"),
         num_threads=3,
@@ -437,8 +651,13 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     local = t - offs[sample] + dead[sample]  # in the sample's frame
     level = jnp.clip(local // block, 0, levels - 1)
     rows = entry_of[sample, level] * block + local % block
-    out = jnp.take(tiles_out, rows, axis=0)
-    return jnp.where((t < offs[-1])[:, None, None], out, jnp.zeros((), out.dtype))
+    live = (t < offs[-1])[:, None, None]
+
+    def back(tiles_out):
+        out = jnp.take(tiles_out, rows, axis=0)
+        return jnp.where(live, out, jnp.zeros((), out.dtype))
+
+    return tuple(back(o) for o in outs) if key_major else back(outs)
 
 
 def forward(q, k, v, offs, ctx, cand, **kw):
@@ -451,3 +670,9 @@ def forward(q, k, v, offs, ctx, cand, **kw):
 def backward_dq(q, k, v, do, offs, ctx, cand, **kw):
     """The query gradient of the (bias-free) HSTU attention given dO: ``[T, H, Dqk]``."""
     return _call("dq", q, k, v, do, offs, ctx, cand, **kw)
+
+
+def backward_dkdv(q, k, v, do, offs, ctx, cand, **kw):
+    """The key and value gradients of the (bias-free) HSTU attention given dO: ``([T, H,
+    Dqk], [T, H, Dv])``."""
+    return _call("dkdv", q, k, v, do, offs, ctx, cand, **kw)

@@ -131,7 +131,7 @@ def hstu_attention(
     block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
     interpret: bool | None = None,
     lowering: str = "triton",
-    mosaic_tiles: tuple[MosaicTiles, MosaicTiles] | None = None,
+    mosaic_tiles: tuple[MosaicTiles, ...] | None = None,
 ) -> jax.Array:
     """HSTU attention over a jagged batch (see ``kernels/README.md``).
 
@@ -147,11 +147,12 @@ def hstu_attention(
       block_sizes: tiling: one ``BlockSizes`` for every kernel, a (forward, backward) pair
         or a (forward, dk/dv, dq) triple; None: ``default_block_sizes`` of the head dim.
       interpret: run the Pallas interpreter; None means "when the default backend is CPU".
-      lowering: the Pallas lowering of the forward and dq kernels: ``triton`` (Triton),
-        ``mosaic`` (Mosaic GPU, ``_mosaic.py``: jax >= 0.11, no biases, 16-bit inputs, head
-        dims up to 256; an error names what rules a call out) or ``auto`` (Mosaic GPU where
-        it can run, compiled on a Hopper GPU; else Triton). dk / dv are Triton's either way.
-      mosaic_tiles: (forward, dq) ``MosaicTiles``; None: ``_mosaic.default_tiles``.
+      lowering: the Pallas lowering of the kernels: ``triton`` (Triton), ``mosaic`` (Mosaic
+        GPU, ``_mosaic.py``: jax >= 0.11, no biases, 16-bit inputs, head dims up to 256; an
+        error names what rules a call out) or ``auto`` (Mosaic GPU where it can run,
+        compiled on a Hopper GPU; else Triton).
+      mosaic_tiles: (forward, dq, dk/dv) ``MosaicTiles`` (a (forward, dq) pair: default dk /
+        dv tiles); None: ``_mosaic.default_tiles``.
 
     Returns ``[T, H, Dv]`` in ``q.dtype`` (fp32 accumulation), zero past
     ``seq_offsets[-1]``. Differentiable in q, k, v, rab_pos and rab_time.
@@ -204,6 +205,7 @@ def hstu_attention(
     dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(v.shape[2])))  # Mosaic's padding
     if mosaic_tiles is None:
         mosaic_tiles = tuple(_mosaic.default_tiles(kind, *dims) for kind in _mosaic.KINDS)
+    mosaic_tiles = _mosaic.full_tiles(mosaic_tiles, *dims)
     has_bias = rab_pos is not None or rab_time is not None
     why = mosaic_problem(q.dtype, d_qk, v.shape[2], has_bias, mosaic_tiles, interpret)
     if lowering == "mosaic" and why is not None:

@@ -1,11 +1,10 @@
 """The Mosaic GPU kernels of the Pallas HSTU attention (``kernels/pallas/_mosaic.py``): the
-forward and dq, chosen by ``lowering="mosaic"``.
+forward, dq and dk / dv, chosen by ``lowering="mosaic"``.
 
 * interpret mode (Mosaic GPU's own CPU interpreter, which simulates the warp groups, the
   barriers and the TMA copies): forward and gradients against the jnp reference on jagged
   batches with contextual and candidate tokens, empty and one-token samples, samples not
-  starting on a multiple of 8 rows and capacity padding; dk / dv (Triton's in both
-  lowerings) equal bit for bit those of ``lowering="triton"``;
+  starting on a multiple of 8 rows and capacity padding, and against ``lowering="triton"``;
 * the compiled path is lowered for CUDA on this machine (no GPU needed): each kernel must
   produce a Mosaic GPU kernel within shared memory for each head dim, the recipe's 256
   included;
@@ -78,7 +77,8 @@ def _reference(q, k, v, offs, **kw):
 
 
 def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
-    """The compiled path of one kernel (``fwd`` or ``dq``, default tiles), lowered for CUDA."""
+    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, default tiles), lowered
+    for CUDA."""
     kw = dict(kw)
     ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
     tiles = _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
@@ -87,7 +87,8 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
         if kind == "fwd":
             return _mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
         do = jnp.zeros_like(v)
-        return _mosaic.backward_dq(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
+        fn = _mosaic.backward_dq if kind == "dq" else _mosaic.backward_dkdv
+        return fn(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
 
     return jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -121,24 +122,25 @@ def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
     assert not np.any(np.asarray(out[int(offs[-1]) :], np.float32))  # capacity padding: 0
     for name, g, w in zip("qkv", grads, want_grads, strict=True):
         assert _rel_err(g, w) < 2e-2, name
-    # dk / dv are the Triton lowering's kernels in both lowerings: the same bits
+    # and each gradient within bf16 rounding of the Triton lowering's (same fp32 sums, in
+    # another order)
     _, tri = run(hstu_attention, lowering="triton", interpret=True)
-    for a, b in zip(grads[1:], tri[1:], strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for name, a, b in zip("qkv", grads, tri, strict=True):
+        assert _rel_err(a, b) < 4e-3, name
 
 
 @needs_mosaic
 @pytest.mark.parametrize(("dqk", "dv"), [(64, 64), (128, 128), (256, 256), (128, 256), (256, 128)])
-@pytest.mark.parametrize("kind", ["fwd", "dq"])
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
     assert "mosaic_gpu" in _lowered_for_cuda(kind, *_inputs(dqk, dv, heads=4))
 
 
 @needs_mosaic
-@pytest.mark.parametrize("kind", ["fwd", "dq"])
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 def test_the_kernels_read_the_callers_rows_in_place(kind):
     """No copy of q, k, v (dO) before the kernel, though most samples start off a multiple of
-    8 rows: the program's only gather of `[T, H, D]` rows is the one that brings the output
+    8 rows: the program's only gather of `[T, H, D]` rows is the one that brings the outputs
     back from the CTA tiles, and nothing is padded where T is whole 8-row tiles."""
     q, k, v, offs, kw = _inputs(
         64, 64, heads=4, pad=11 + (-(int(sum(x[0] for x in LENGTHS)) + 11) % 8)
@@ -147,7 +149,9 @@ def test_the_kernels_read_the_callers_rows_in_place(kind):
     text = _lowered_for_cuda(kind, q, k, v, offs, kw)
     rows = re.compile(r"-> tensor<\d+x4x64xbf16>")  # rows of q, k, v, dO or the output
     gathers = [ln for ln in text.splitlines() if "gather" in ln and rows.search(ln)]
-    assert len(gathers) == 1 and f"tensor<{q.shape[0]}x4x64xbf16>" in gathers[0], gathers
+    # one gather (dk / dv: one for both, the same jitted take called twice)
+    assert len(gathers) == 1, gathers
+    assert all(f"tensor<{q.shape[0]}x4x64xbf16>" in g for g in gathers), gathers
     assert "stablehlo.pad" not in text
 
 
@@ -175,6 +179,16 @@ def test_supports_names_each_limit():
     assert "dq tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, DEFAULT)
     assert _mosaic.default_tiles("dq", 256, 256) == MosaicTiles(block_kv=32)
     assert _mosaic.default_tiles("fwd", 256, 256) == MosaicTiles()
+    # dk / dv: the CTA's key and value tiles plus the query / dO slots; a pair of tiles takes
+    # the default dk / dv tiles
+    ok = (MosaicTiles(), MosaicTiles(block_kv=32))
+    assert _mosaic.default_tiles("dkdv", 256, 256) == MosaicTiles()
+    assert _mosaic.full_tiles(ok, 256, 256) == (*ok, MosaicTiles())
+    assert _mosaic.supports(jnp.bfloat16, 256, 256, False, ok) is None
+    wide = (*ok, MosaicTiles(block_kv=128))
+    assert "dkdv tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, wide)
+    with pytest.raises(ValueError, match="one per kernel"):
+        _mosaic.full_tiles(ok[:1], 256, 256)
 
 
 @pytest.mark.gpu
@@ -207,7 +221,8 @@ def test_compiled_kernels_match_the_reference(dim):
     )
     want, want_grads = run(lambda q, k, v: _reference(q, k, v, offs, **kw))
     assert _rel_err(out, want) < 1e-2
-    assert _rel_err(grads[0], want_grads[0]) < 2e-2  # dq: the Mosaic GPU kernel
+    for name, got, ref in zip("qkv", grads, want_grads, strict=True):
+        assert _rel_err(got, ref) < 2e-2, name
 
 
 @pytest.mark.gpu
@@ -244,9 +259,9 @@ def test_compiled_kernels_match_the_triton_lowering(dim, whole):
     def run(lowering):
         f = jax.jit(lambda q, k, v: hstu_attention(q, k, v, offs, **kw, lowering=lowering))
         out, vjp = jax.vjp(f, q, k, v)
-        return np.asarray(out, np.float32), np.asarray(vjp(g)[0], np.float32)
+        return [np.asarray(x, np.float32) for x in (out, *vjp(g))]
 
-    for got, want, name in zip(run("mosaic"), run("triton"), ("out", "dq"), strict=True):
+    for got, want, name in zip(run("mosaic"), run("triton"), ("out", *"qkv"), strict=True):
         scale = np.abs(want[:real]).max()
         for i in np.nonzero(lens)[0]:
             rows = slice(offs_np[i], offs_np[i + 1])
