@@ -82,10 +82,9 @@ class ModelConfig:
     )
     pallas_lowering: str = _opt(
         "triton",
-        "jax kernel: the Pallas lowering of the attention forward and dq kernels, triton | "
-        "mosaic (Mosaic GPU on Hopper, jax >= 0.11, no biases; an error says what rules it "
-        "out) | auto (mosaic where it can run, else triton); dk/dv stay Triton's; torch: no "
-        "effect",
+        "jax kernel: the Pallas lowering of the attention kernels (forward, dq, dk/dv), triton "
+        "| mosaic (Mosaic GPU on Hopper, jax >= 0.11, no biases; an error says what rules it "
+        "out) | auto (mosaic where it can run, else triton); torch: no effect",
     )
     attention_backward: str = _opt(
         "auto",

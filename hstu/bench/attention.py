@@ -21,7 +21,7 @@ For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-token
   the same token count, so the cost of raggedness reads off one table (`jagged / equal`);
 * torch also times `scaled_dot_product_attention` (causal softmax, the flash kernel on a GPU)
   on the equal-length batches, the yardstick of the kernel targets (`--no-sdpa` skips it);
-* jax runs the grid once per `--lowerings` entry (the forward and dq kernels' Pallas lowering:
+* jax runs the grid once per `--lowerings` entry (the attention kernels' Pallas lowering:
   `triton`, kernel `pallas`; `mosaic`, kernel `mosaic`, which needs a Hopper GPU, jax >= 0.11,
   16-bit inputs and no `--rab`: a lowering that cannot run the grid is named before any work).
 

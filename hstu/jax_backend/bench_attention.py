@@ -1,5 +1,5 @@
-"""The JAX half of `hstu bench attention`: our Pallas kernel in one lowering of its forward and
-dq kernels (`pallas`: Triton's; `mosaic`: Mosaic GPU's, dk/dv Triton-lowered in both), checked
+"""The JAX half of `hstu bench attention`: our Pallas kernel in one lowering of its kernels
+(`pallas`: Triton's; `mosaic`: Mosaic GPU's forward, dq and dk/dv), checked
 against the jnp fp32 reference, timed by wall clock around `jax.block_until_ready` of a jitted
 call (one dispatch included). On a CPU the kernel runs in the Pallas interpreter (timings then
 meaningless)."""
