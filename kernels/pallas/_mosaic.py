@@ -352,22 +352,30 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_full.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_full.at[slot])
 
-        for i in range(stages):
-            pl.when(i < cta_steps)(functools.partial(fetch, i, i))
+        _stream(fetch, cta_steps, stages, (k_free, v_free))
 
-        @pl.loop(stages, cta_steps)
-        def _(kv):
-            slot = lax.rem(kv, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch(kv, slot)
 
-        # Observe the last releases too: every slot is free when the block exits.
-        @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
-        def _(kv):
-            slot = lax.rem(kv, jnp.int32(stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+def _stream(fetch, steps, stages: int, frees) -> None:
+    """The producer's loop over ``steps`` streamed tiles: ``fetch(step, slot)`` fills the first
+    ``stages`` slots, then refills a slot once each barrier of ``frees`` says both consumers
+    released it; the last releases are observed too (every slot is free when the block
+    exits)."""
+    for i in range(stages):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+    def released(s):
+        slot = lax.rem(s, jnp.int32(stages))
+        for free in frees:
+            plgpu.barrier_wait(free.at[slot])
+        return slot
+
+    @pl.loop(stages, steps)
+    def _(s):
+        fetch(s, released(s))
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(s):
+        released(s)
 
 
 def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
@@ -521,18 +529,7 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
             plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem.at[slot], q_full.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem.at[slot], do_full.at[slot])
 
-        for i in range(stages):
-            pl.when(i < steps)(functools.partial(fetch, i, i))
-
-        @pl.loop(stages, steps)
-        def _(s):
-            slot = lax.rem(s, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            fetch(s, slot)
-
-        @pl.loop(jnp.maximum(steps - stages, 0), steps)
-        def _(s):
-            plgpu.barrier_wait(free.at[lax.rem(s, jnp.int32(stages))])
+        _stream(fetch, steps, stages, (free,))
 
 
 def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, tiles, interpret):
