@@ -213,15 +213,9 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         return s_ref
 
     def accumulate(t16, b_smem, acc_ref, kv, free, steps):
-        """A step's last matmul ``acc += t16 @ b`` (t16 from registers; the interpreter's
-        wgmma reads only shared memory, so there it goes through it), then: wait for the
-        next key tile, drain the wgmma and release ``free``, the slot it read."""
-        if interpreted:
-            t_smem2.at[wg][...] = t16
-            plgpu.commit_smem()
-            plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
-        else:
-            plgpu.wgmma(acc_ref, t16, b_smem)
+        """A step's last matmul ``acc += t16 @ b`` (``_mma_from_registers``), then: wait for
+        the next key tile, drain the wgmma and release ``free``, the slot it read."""
+        _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted)
         nxt = kv + 1
 
         @pl.when(nxt < steps)
@@ -355,6 +349,17 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         _stream(fetch, cta_steps, stages, (k_free, v_free))
 
 
+def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) -> None:
+    """``acc += t16 @ b``, ``t16`` from registers; in the interpreter, whose wgmma reads only
+    shared memory, through warp group ``wg``'s slot of ``t_smem2``."""
+    if interpreted:
+        t_smem2.at[wg][...] = t16
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
+    else:
+        plgpu.wgmma(acc_ref, t16, b_smem)
+
+
 def _stream(fetch, steps, stages: int, frees) -> None:
     """The producer's loop over ``steps`` streamed tiles: ``fetch(step, slot)`` fills the first
     ``stages`` slots, then refills a slot once each barrier of ``frees`` says both consumers
@@ -446,14 +451,8 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
         return pl.run_scoped(body, acc, acc) if with_dp else pl.run_scoped(body, acc)
 
     def accumulate(t16, b_smem, acc_ref, slot):
-        """``acc += t16 @ b`` (t16 from registers; through shared memory in the interpreter,
-        whose wgmma reads only shared memory), then release the slot."""
-        if interpreted:
-            t_smem2.at[wg][...] = t16
-            plgpu.commit_smem()
-            plgpu.wgmma(acc_ref, t_smem2.at[wg], b_smem)
-        else:
-            plgpu.wgmma(acc_ref, t16, b_smem)
+        """``acc += t16 @ b`` (``_mma_from_registers``), then release the slot."""
+        _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted)
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(free.at[slot])
 
