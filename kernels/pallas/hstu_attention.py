@@ -259,8 +259,8 @@ def mosaic_problem(
     dtype, d_qk: int, d_v: int, has_bias: bool, tiles, interpret: bool | None
 ) -> str | None:
     """None when ``lowering="mosaic"`` can run a call of this shape with ``tiles`` (forward,
-    dq; None: the defaults for these head dims) here, else why not. Head dims as given: they
-    are padded to a power of two >= 64."""
+    dq and dk/dv, or a (forward, dq) pair; None: the defaults for these head dims) here, else
+    why not. Head dims as given: they are padded to a power of two >= 64."""
     dims = (max(64, _next_pow2(d_qk)), max(64, _next_pow2(d_v)))
     if tiles is None:
         tiles = tuple(_mosaic.default_tiles(kind, *dims) for kind in _mosaic.KINDS)
