@@ -184,7 +184,8 @@ def test_supports_names_each_limit():
     ok = (MosaicTiles(), MosaicTiles(block_kv=32))
     assert _mosaic.default_tiles("dkdv", 256, 256) == MosaicTiles()
     assert _mosaic.full_tiles(ok, 256, 256) == (*ok, MosaicTiles())
-    assert _mosaic.supports(jnp.bfloat16, 256, 256, False, ok) is None
+    why = _mosaic.supports(jnp.bfloat16, 256, 256, False, ok)  # None, or this jax's version
+    assert why is None or "tiles" not in why, why
     wide = (*ok, MosaicTiles(block_kv=128))
     assert "dkdv tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, wide)
     with pytest.raises(ValueError, match="one per kernel"):
