@@ -51,6 +51,7 @@ the option's default.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -60,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..schedule import pairs, schedule
-from ._common import sample_of
+from ._common import _query_ranges, sample_of
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -99,6 +100,9 @@ class MosaicTiles:
             )
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MosaicTiles.stages: expected an int >= 2, got {self.stages!r}")
+
+
+_Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
 
 
 # Shared memory an H100 / H200 block may use (227 KiB), less room for the barriers.
@@ -386,17 +390,11 @@ def _stream(fetch, steps, stages: int, frees) -> None:
 def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
     """The query tiles that see keys [k0, k0 + bk) of a sample (in its frame: ``dead`` rows
     first), as steps ``0 .. steps``: ``tile(s)`` and the steps ``[u0, u1)`` whose tiles need
-    no mask. Contextual rows (tiles below ``cdiv(c, bq)``) see every history key; the others
-    see keys at or before them; a block of candidate keys only its diagonal."""
-    has_hist = k0 < hist
-    end_a = jnp.where(has_hist, _cdiv(c, bq), 0)
-    lo_b = jnp.maximum(end_a, lax.div(k0, jnp.int32(bq)))
-    hi_b = jnp.where(has_hist, _cdiv(n, bq), _cdiv(jnp.minimum(k0 + bk, n), bq))
-    hi_b = jnp.maximum(hi_b, lo_b)
-    # Unmasked: every key of the block a live history key, every query row of the tile in the
-    # sample and at or after the block's last key.
-    full_keys = ((k0 > 0) | (dead == 0)) & (k0 + bk <= hist)
-    q_int = jnp.where(full_keys, jnp.clip(_cdiv(k0 + bk - 1, bq), lo_b, hi_b), hi_b)
+    no mask. The ranges are the Triton lowering's (``_common._query_ranges``); here a key
+    block holding dead rows is masked too, and so is the tile holding the sample's end (its
+    rows past it are the next sample's, not zeros)."""
+    end_a, lo_b, q_int, hi_b = _query_ranges(k0, n, c, hist, _Blocks(bq, bk))
+    q_int = jnp.where((k0 > 0) | (dead == 0), q_int, hi_b)
     q_end = jnp.clip(lax.div(n, jnp.int32(bq)), q_int, hi_b)
 
     def tile(s):
