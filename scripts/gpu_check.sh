@@ -237,12 +237,13 @@ print('torchrec', torchrec.__version__)" ;;
       done ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
-      # jax in both Pallas lowerings of its forward / dq kernels ($ATTN_LOWERINGS)
+      # jax in both Pallas lowerings of its kernels ($ATTN_LOWERINGS); $ATTN_BATCHES,
+      # $ATTN_SEQLENS, $ATTN_DIMS: the grid
       for backend in ${ATTN_BACKENDS:-torch jax}; do
         extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
-          --batches 1,4,16,64 --seqlens 256,1024,4096,8192 --dims ${ATTN_DIMS:-64,128,256} \
-          --max-tokens 65536 --out /tmp/attention $extra
+          --batches ${ATTN_BATCHES:-1,4,16,64} --seqlens ${ATTN_SEQLENS:-256,1024,4096,8192} \
+          --dims ${ATTN_DIMS:-64,128,256} --max-tokens 65536 --out /tmp/attention $extra
         cp /tmp/attention/attention_$backend.json "$OUT/"
       done
       cp /tmp/attention/attention_*.png "$OUT/" ;;
