@@ -13,11 +13,12 @@ For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-token
 * **timing**: forward and forward + backward, medians over `--repeats` after `--warmup` (torch:
   CUDA events around a CUDA-graph replay of the call, i.e. device time as in the graphed
   training step, for the kernel and SDPA alike; eager, and noted, where a call cannot be
-  captured; jax: the call looped ~2 ms worth of times inside one jitted program, wall clock
-  around it divided by the count, so one dispatch (~0.1 ms on an H200) is spread over the
-  loop: device time too, which a single call's wall clock was not); TFLOP/s on the unmasked
-  (query, key) pairs only: forward = 4 * pairs * H * D (Q K^T and P V), forward + backward =
-  3.5 x forward (the flash-attention convention);
+  captured; jax: bursts of calls dispatched back to back, ~2 ms each, divided by their
+  count: device time where a call's device work outlasts its ~20-50 us dispatch, the
+  dispatch's time below that, an upper bound, where a single call's wall clock had added one
+  dispatch to every point); TFLOP/s on the unmasked (query, key) pairs only: forward = 4 *
+  pairs * H * D (Q K^T and P V), forward + backward = 3.5 x forward (the flash-attention
+  convention);
 * `--jagged zipf`: besides the equal-length batch, a batch of Zipf(1.2) lengths in [16, S] with
   the same token count, so the cost of raggedness reads off one table (`jagged / equal`);
 * torch also times `scaled_dot_product_attention` (causal softmax, the flash kernel on a GPU)

@@ -1,8 +1,7 @@
 """The JAX half of `hstu bench attention`: our Pallas kernel in one lowering of its kernels
 (`pallas`: Triton's; `mosaic`: Mosaic GPU's forward, dq and dk/dv), checked against the jnp
-fp32 reference, timed in device time: calls looped inside one jitted program, one dispatch for
-all (`Runner._ms`). On a CPU the kernel runs in the Pallas interpreter (timings then
-meaningless)."""
+fp32 reference, timed over bursts of calls dispatched back to back (`Runner._ms`). On a CPU
+the kernel runs in the Pallas interpreter (timings then meaningless)."""
 
 from __future__ import annotations
 
@@ -12,14 +11,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from hstu.bench.attention import Case
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 TIME_BUCKETS = 32
 TABLES = ("rab_pos", "rab_time")
-LOOP_MS = 2.0  # device time a timed loop of calls aims for
+LOOP_MS = 2.0  # what a timed burst of calls aims for
 MAX_CALLS = 64
 
 
@@ -102,22 +100,17 @@ class Runner:
 
     @staticmethod
     def _ms(fn, args, warmup: int, repeats: int) -> float:
-        """Device time of one call: `fn` run `n` times inside one jitted loop (one dispatch for
-        all of them, so the figure is the device's, as torch's CUDA-graph replay is), divided by
-        `n`, `n` chosen so that a loop takes ~2 ms. Each iteration's inputs pass an
-        `optimization_barrier` with the loop counter (so XLA cannot hoist the call out of the
-        loop) and one element of each result feeds the carry (so it cannot drop it)."""
-
-        def body(i, carry):
-            ins, i = lax.optimization_barrier((args, i))
-            leaves = jax.tree_util.tree_leaves(fn(*ins))
-            return carry + sum(x.ravel()[0].astype(jnp.float32) for x in leaves)
-
-        loop = jax.jit(lambda n: lax.fori_loop(0, n, body, jnp.float32(0)))
+        """Time of one call: `n` calls dispatched back to back, then waited for, divided by
+        `n` (chosen so that they take ~2 ms), as `scripts/attention_jagged.py` times. JAX
+        dispatches asynchronously, so where a call's device work outlasts its dispatch (~20-50
+        us) this is device time; below that the figure is the dispatch's, an upper bound.
+        (A loop of calls inside one jitted program, tried, dispatches once, but XLA's GPU while
+        loop reads its condition on the host every iteration: on an H200 it timed 0.2-0.7 ms a
+        call where torch's graph replay timed tens of microseconds.)"""
 
         def run(n: int) -> float:
             t0 = time.perf_counter()
-            jax.block_until_ready(loop(jnp.int32(n)))
+            jax.block_until_ready([fn(*args) for _ in range(n)])
             return (time.perf_counter() - t0) * 1e3
 
         for _ in range(max(warmup, 1)):  # the first call compiles
