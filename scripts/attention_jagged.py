@@ -1,18 +1,20 @@
 """Device time of the HSTU attention kernels on the batches the end-to-end recipe feeds them.
 
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
-        [--lowering triton|mosaic]   (jax: the forward / dq kernels' Pallas lowering)
+        [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
+        [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
         [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
                                       keep their defaults)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
-contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and one of 8 x 4096
-equal lengths. Each cell is the median over rounds of one round's time divided by its
-``--calls`` calls: torch replays the calls captured in one CUDA graph (as the training step
-runs them), jax dispatches them back to back before one wait. Either way the host's launch
-work is not in the figure: it is what the kernels cost inside a training step. TFLOP/s count the
-pairs the mask lets through (forward 4 x pairs x heads x dim; forward + backward 3x that).
+contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and batches of
+equal lengths (``--equal``, default one of 8 x 4096). Each cell is the median over rounds of
+one round's time divided by its ``--calls`` calls: torch replays the calls captured in one
+CUDA graph (as the training step runs them), jax dispatches them back to back before one
+wait. Either way the host's launch work is not in the figure: it is what the kernels cost
+inside a training step. TFLOP/s count the pairs the mask lets through (forward 4 x pairs x
+heads x dim; forward + backward 3x that).
 The kernels are whichever ``hstu_kernels`` is importable: ``gpu_check.sh kab`` points it at
 two trees in turn to time them side by side.
 """
@@ -27,15 +29,22 @@ from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
 CONTEXTUAL = 4
 
 
-def cases(equal: tuple[int, int] = (8, 4096)):
+def cases(equal=((8, 4096),)):
     """(name, lengths, candidates or None, contextual, max_seqlen)."""
     out = []
     for seed in range(3):
         lengths, cand = bench_upstream_batch(np.random.default_rng(seed), 32)
         out.append((f"upstream seed {seed}", lengths, cand, CONTEXTUAL, MAX_SEQLEN))
-    batch, seqlen = equal
-    out.append((f"{batch} x {seqlen}", np.full(batch, seqlen), None, 0, seqlen))
+    for batch, seqlen in equal:
+        out.append((f"{batch} x {seqlen}", np.full(batch, seqlen), None, 0, seqlen))
     return out
+
+
+def _equal(text: str) -> tuple[int, int]:
+    batch, seqlen = (int(x) for x in text.split("x"))
+    if batch < 1 or seqlen < 1:
+        raise argparse.ArgumentTypeError(f"--equal: expected BxS with B, S >= 1, got {text!r}")
+    return batch, seqlen
 
 
 def _graph_timer(calls: int, rounds: int):
@@ -206,6 +215,8 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--equal", type=_equal, nargs="+", default=[(8, 4096)],
+                    help="equal-length batches BxS after the recipe's")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="per-kernel time of the first case")
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
@@ -224,7 +235,7 @@ def main(argv=None) -> None:
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
     timed = _graph_timer(args.calls, args.rounds) if args.backend == "torch" else None
-    for name, lengths, cand, ctx, max_seqlen in cases():
+    for name, lengths, cand, ctx, max_seqlen in cases(args.equal):
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         if args.backend == "torch":
             f_ms, fb_ms = _torch_case(*shape, timed, args.profile, args.backward, tiles)
