@@ -238,7 +238,7 @@ print('torchrec', torchrec.__version__)" ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
       # jax in both Pallas lowerings of its kernels ($ATTN_LOWERINGS); $ATTN_BATCHES,
-      # $ATTN_SEQLENS, $ATTN_DIMS: the grid
+      # $ATTN_SEQLENS, $ATTN_DIMS: the grid (neither backend needs the TorchRec wheels here)
       for backend in ${ATTN_BACKENDS:-torch jax}; do
         extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \

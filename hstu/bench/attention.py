@@ -33,6 +33,8 @@ CPU the kernels run in interpret mode: the check is meaningful, the timings are 
 
 The per-backend halves are `hstu.<backend>_backend.bench_attention` (`Runner`); this
 module is the grid, the check verdict, the table and the files, and imports neither framework.
+A half needs its framework and kernel language only (torch and Triton; jax), not the training
+stack: the torch kernels are benchmarked where TorchRec / fbgemm are not installed.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs as a multiple of the forward's
 # and the kernel rounds P to it before P V; fp32 accumulates in another order only.
 TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4}
 MIN_JAGGED_LEN = 16
+
+# The kernel's half of each backend: it needs the framework and its kernel language (torch +
+# Triton; jax + Pallas), not the training stack (TorchRec / fbgemm, Flax / Optax / Orbax).
+RUNNERS = {"torch": ("torch", "triton"), "jax": ("jax",)}
 
 
 @dataclass(frozen=True)
@@ -313,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
         description="The backend's HSTU attention kernel over batch x seqlen x head dim: "
         "checked against the reference, then timed (table, JSON, TFLOP/s heatmaps).",
     )
-    ap.add_argument("--backend", required=True, choices=["torch", "jax"])
+    ap.add_argument("--backend", required=True, choices=sorted(RUNNERS))
     ap.add_argument("--batches", type=_ints, default=DEFAULT_BATCHES)
     ap.add_argument("--seqlens", type=_ints, default=DEFAULT_SEQLENS)
     ap.add_argument("--dims", type=_ints, default=DEFAULT_DIMS, help="head dims (Dqk = Dv)")
@@ -337,25 +343,33 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _runner_class(backend: str):
+    """`hstu.<backend>_backend.bench_attention.Runner`, or an error naming the missing package."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"hstu.{backend}_backend.bench_attention")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in RUNNERS[backend]:
+            raise HSTUError(
+                f"--backend {backend}: the kernel benchmark needs the package {exc.name!r}; "
+                f"run `make setup` (or pip install -e '.[{backend}]')"
+            ) from exc
+        raise
+    return module.Runner
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.heads < 1 or args.warmup < 0 or args.repeats < 1 or args.max_tokens < 1:
         raise HSTUError("--heads, --repeats and --max-tokens must be >= 1, --warmup >= 0")
-    from hstu import backends
-
-    ok, why = backends.available(args.backend)
-    if not ok:
-        raise HSTUError(why)
     cases = grid(args)
+    if args.backend == "torch" and args.lowerings != ("triton",):
+        raise HSTUError("--lowerings is for --backend jax (the torch kernel is Triton's)")
+    Runner = _runner_class(args.backend)
     if args.backend == "torch":
-        if args.lowerings != ("triton",):
-            raise HSTUError("--lowerings is for --backend jax (the torch kernel is Triton's)")
-        from hstu.torch_backend.bench_attention import Runner
-
         runners = [Runner(sdpa=not args.no_sdpa)]
     else:
-        from hstu.jax_backend.bench_attention import Runner
-
         runners = [Runner(lowering=lowering) for lowering in args.lowerings]
         for runner in runners:
             why = runner.problem(args.dims, args.dtype, args.rab)

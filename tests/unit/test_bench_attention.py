@@ -133,3 +133,41 @@ def test_torch_timing_replays_the_kernel_from_a_cuda_graph():
         assert torch.equal(got, ref)
     fwd_ms, fwd_bwd_ms, note = runner.time(case, warmup=2, repeats=5)
     assert note == "" and 0 < fwd_ms < fwd_bwd_ms
+
+
+_BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from hstu.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def _run_blocked(blocked: set[str], argv: list[str]):
+    import subprocess
+    import sys
+
+    code = _BLOCK.format(blocked=sorted(blocked), argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_the_torch_kernel_bench_needs_neither_torchrec_nor_fbgemm(tmp_path):
+    """`hstu bench attention --backend torch` imports torch and the Triton kernels only: with
+    TorchRec and fbgemm unimportable it still checks and times the kernel; without torch it
+    says which package is missing."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    argv = ["bench", "attention", "--backend", "torch", "--batches", "1", "--seqlens", "16"]
+    argv += ["--dims", "16", "--heads", "1", "--dtype", "fp32", "--jagged", "none"]
+    argv += ["--warmup", "0", "--repeats", "1", "--no-sdpa", "--out", str(tmp_path)]
+    done = _run_blocked({"torchrec", "fbgemm_gpu"}, argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "attention_torch.json").read_text())
+    assert [p["check"]["ok"] for p in report["points"]] == [True]
+    done = _run_blocked({"torch"}, argv)
+    assert done.returncode == 2
+    assert "the kernel benchmark needs the package 'torch'" in done.stderr
