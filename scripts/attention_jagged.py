@@ -1,6 +1,7 @@
 """Device time of the HSTU attention kernels on the batches the end-to-end recipe feeds them.
 
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
+        [--profile [CASE ...]]       (per-kernel device time of those cases; none named: all)
         [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
@@ -111,6 +112,9 @@ def _torch_case(
         torch.autograd.grad(out, (q, k, v), g)
 
     if profile:
+        print("  -- forward")
+        _torch_profile(fwd)
+        print("  -- forward + backward")
         _torch_profile(fwd_bwd)
     return timed(fwd), timed(fwd_bwd)
 
@@ -217,7 +221,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--equal", type=_equal, nargs="+", default=[(8, 4096)],
                     help="equal-length batches BxS after the recipe's")  # fmt: skip
-    ap.add_argument("--profile", action="store_true", help="per-kernel time of the first case")
+    ap.add_argument("--profile", nargs="*", default=None, metavar="CASE",
+                    help="per-kernel device time of these cases (none named: all)")  # fmt: skip
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
     ap.add_argument("--backward", choices=["split", "fused"], default=None,
@@ -237,15 +242,15 @@ def main(argv=None) -> None:
     timed = _graph_timer(args.calls, args.rounds) if args.backend == "torch" else None
     for name, lengths, cand, ctx, max_seqlen in cases(args.equal):
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
+        profile = args.profile is not None and (not args.profile or name in args.profile)
         if args.backend == "torch":
-            f_ms, fb_ms = _torch_case(*shape, timed, args.profile, args.backward, tiles)
+            f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles)
         else:
-            profile = args.profile and name == "upstream seed 0"
             f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip
-    if args.profile and args.backend == "torch":
+    if args.profile is not None and args.backend == "torch":
         _triton_resources()
 
 
