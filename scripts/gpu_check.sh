@@ -6,6 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
+#                                               attnprof
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -234,6 +235,17 @@ print('torchrec', torchrec.__version__)" ;;
               --dim $dim --backward $mode ${BWD_ARGS:-}
           done
         done
+      done ;;
+    attnprof)
+      # per-kernel device time of the attention call on the case $APROF_CASE (default the
+      # recipe's batch of short samples) and on one 4096-token sample (scripts/attention_jagged.py
+      # --profile), torch's Triton kernels and jax's Mosaic ones at head dim $APROF_DIM:
+      # which kernel (or which part of the jax wrapper) sets each case's time
+      for backend in torch jax; do
+        extra=""; [ $backend = jax ] && extra="--lowering mosaic"
+        run "attnprof_$backend" python scripts/attention_jagged.py --backend $backend \
+          --dim ${APROF_DIM:-256} --equal 1x4096 --calls 10 --rounds 3 $extra \
+          --profile "${APROF_CASE:-upstream seed 2}" "1 x 4096"
       done ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
