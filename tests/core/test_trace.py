@@ -180,3 +180,27 @@ def test_kernel_classes_sum_device_time_by_class_and_count_the_short_kernels():
     lines = got.lines()
     assert lines[1].split()[:3] == ["matmul", "0.050", "0.5"]  # per step, largest first
     assert lines[-1].split()[:5] == ["all", "0.118", "4.0", "2.0", "0.009"]
+
+
+def test_kernel_classes_split_jax_fusions_by_the_kind_xla_emitted():
+    """JAX's kernels: Mosaic GPU kernels are our attention, XLA's GEMM fusions matmuls, and its
+    other fusions are told apart by the kind in their names (a reduction, a scatter or
+    gather, elementwise, XLA's other fusions)."""
+    want = {
+        "entry_mosaic_gpu_kernel": "attention",
+        "hstu_attention_bwd_dkdv": "attention",
+        "gemm_fusion_dot_general_107": "matmul",
+        "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT": "matmul",
+        "input_add_reduce_fusion": "xla reduce",
+        "input_reduce_fusion_44": "xla reduce",
+        "loop_reduce_window_fusion_1": "xla reduce",
+        "input_scatter_fusion_10": "xla scatter",
+        "loop_gather_fusion": "xla scatter",
+        "loop_slice_fusion_7": "xla elemwise",
+        "input_concatenate_fusion_1": "xla elemwise",
+        "wrapped_convert_2": "xla elemwise",
+        "fusion_1102": "xla fusion",
+        "loop_copy_fusion": "copy / fill",
+        "vectorized_elementwise_kernel<silu_kernel>": "other",
+    }
+    assert {name: tr.kernel_class(name) for name in want} == want
