@@ -12,10 +12,12 @@ Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 sampl
 contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and batches of
 equal lengths (``--equal``, default one of 8 x 4096). Each cell is the median over rounds of
 one round's time divided by its ``--calls`` calls: torch replays the calls captured in one
-CUDA graph (as the training step runs them), jax dispatches them back to back before one
-wait. Either way the host's launch work is not in the figure: it is what the kernels cost
-inside a training step. TFLOP/s count the pairs the mask lets through (forward 4 x pairs x
-heads x dim; forward + backward 3x that).
+CUDA graph (as the training step runs them) between CUDA events; jax dispatches them back to
+back inside a range of a ``jax.profiler`` trace and sums the device's busy time in it
+(``hstu.jax_backend.device_time``; on a CPU, the host's clock). Either way the host's launch
+work is not in the figure: it is what the kernels cost inside a training step. TFLOP/s count
+the pairs the mask lets through (forward 4 x pairs x heads x dim; forward + backward 3x
+that).
 The kernels are whichever ``hstu_kernels`` is importable: ``gpu_check.sh kab`` points it at
 two trees in turn to time them side by side.
 """
@@ -171,6 +173,8 @@ def _jax_case(
     import jax.numpy as jnp
     from hstu_kernels.pallas import hstu_attention
 
+    from hstu.jax_backend.device_time import device_ms
+
     key = jax.random.split(jax.random.key(0), 4)
     T = int(lengths.sum())
     q, k, v, g = (jax.random.normal(kk, (T, heads, dim), jnp.bfloat16) for kk in key)
@@ -200,16 +204,23 @@ def _jax_case(
         print(f"  -- forward + backward, {lowering} lowering")
         _jax_profile(fwd_bwd, (q, k, v))
 
-    def timed(fn):
-        jax.block_until_ready(fn(q, k, v))
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            jax.block_until_ready([fn(q, k, v) for _ in range(calls)])
-            times.append((time.perf_counter() - t0) * 1e3 / calls)
-        return statistics.median(times)
+    runs = {"fwd": (fwd, (q, k, v)), "fwd_bwd": (fwd_bwd, (q, k, v))}
+    ms = device_ms(runs, calls, rounds)  # the device's time, from a profiler trace
+    if ms is None:  # no device events (a CPU): the host's clock
+        ms = {name: _host_ms(fn, args, calls, rounds) for name, (fn, args) in runs.items()}
+    return ms["fwd"], ms["fwd_bwd"]
 
-    return timed(fwd), timed(fwd_bwd)
+
+def _host_ms(fn, args, calls: int, rounds: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready([fn(*args) for _ in range(calls)])
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
 
 
 def main(argv=None) -> None:

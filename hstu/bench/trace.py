@@ -128,6 +128,28 @@ def _union(spans: list[tuple[float, float, str]]) -> list[list]:
     return out
 
 
+def device_busy_in_ranges(events: list[dict], prefix: str) -> dict[str, float]:
+    """Device busy microseconds inside each host range whose name starts with `prefix`: the
+    union of every device event (all streams) that started inside the range, so overlapping
+    kernels count once and the device's idle time not at all. `{range name: us}`; a range
+    whose work ran nowhere but the host reads 0."""
+    names = names_of(events)
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and str(e.get("name", "")).startswith(prefix)
+    )
+    spans: dict[str, list] = {name: [] for _, _, name in ranges}
+    starts = [r[0] for r in ranges]
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e or not is_device_event(e, names):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] <= ranges[i][1]:
+            spans[ranges[i][2]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return {name: sum(b - a for a, b, *_ in _union(s)) for name, s in spans.items()}
+
+
 @dataclass
 class Gap:
     start: float  # us, trace clock

@@ -1,7 +1,8 @@
 """The JAX half of `hstu bench attention`: our Pallas kernel in one lowering of its kernels
 (`pallas`: Triton's; `mosaic`: Mosaic GPU's forward, dq and dk/dv), checked against the jnp
-fp32 reference, timed over bursts of calls dispatched back to back (`Runner._ms`). On a CPU
-the kernel runs in the Pallas interpreter (timings then meaningless)."""
+fp32 reference, timed on the device from a profiler trace (`device_time.device_ms`), as the
+torch half times CUDA-graph replays. On a CPU the kernel runs in the Pallas interpreter and is
+timed on the host's clock (`Runner._ms`; timings then meaningless)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hstu.bench.attention import Case
+from hstu.jax_backend.device_time import device_ms
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 TIME_BUCKETS = 32
 TABLES = ("rab_pos", "rab_time")
 LOOP_MS = 2.0  # what a timed burst of calls aims for
 MAX_CALLS = 64
+DEVICE_CALLS = 10  # calls per traced round (device time: the round's length only averages)
 
 
 KERNEL_NAMES = {"triton": "pallas", "mosaic": "mosaic"}  # lowering -> kernel in tables, files
@@ -100,13 +103,15 @@ class Runner:
 
     @staticmethod
     def _ms(fn, args, warmup: int, repeats: int) -> float:
-        """Time of one call: `n` calls dispatched back to back, then waited for, divided by
-        `n` (chosen so that they take ~2 ms), as `scripts/attention_jagged.py` times. JAX
-        dispatches asynchronously, so where a call's device work outlasts its dispatch (~20-50
-        us) this is device time; below that the figure is the dispatch's, an upper bound.
-        (A loop of calls inside one jitted program, tried, dispatches once, but XLA's GPU while
-        loop reads its condition on the host every iteration: on an H200 it timed 0.2-0.7 ms a
-        call where torch's graph replay timed tens of microseconds.)"""
+        """Time of one call: `n` calls dispatched back to back, then waited for, divided by `n`
+        (chosen so that they take ~2 ms), as `scripts/attention_jagged.py` times. JAX dispatches
+        asynchronously, so where a call's device work outlasts its dispatch (~20-50 us) this is
+        device time; below that the figure is the dispatch's, an upper bound. On a GPU `time`
+        reads the device's own time instead: a short burst also paid the host's wait (on an
+        H200, Mosaic's forward at 16 x 4096 read 1.33 ms here against 1.00 from 10 calls a burst
+        and from the trace). (A loop of calls inside one jitted program, tried, dispatches once,
+        but XLA's GPU while loop reads its condition on the host every iteration: on an H200 it
+        timed 0.2-0.7 ms a call where torch's graph replay timed tens of microseconds.)"""
 
         def run(n: int) -> float:
             t0 = time.perf_counter()
@@ -121,14 +126,17 @@ class Runner:
     def time(self, case: Case, warmup: int, repeats: int) -> tuple[float, float, str]:
         qkv, do, offsets, static, tables = self.inputs(case)
         fwd, fwd_bwd = self._fns(self._kernel, offsets, static, tuple(tables))
+        args = (*qkv, *tables.values())
+        runs = {"fwd": (fwd, args), "fwd_bwd": (fwd_bwd, (*args, do))}
         try:
-            f = self._ms(fwd, (*qkv, *tables.values()), warmup, repeats)
-            fb = self._ms(fwd_bwd, (*qkv, *tables.values(), do), warmup, repeats)
+            ms = None if self.interpret else device_ms(runs, DEVICE_CALLS, repeats, warmup)
+            if ms is None:  # no device events in the trace: the host's clock
+                ms = {name: self._ms(fn, a, warmup, repeats) for name, (fn, a) in runs.items()}
         except Exception as exc:  # out of device memory: report the point, go on
             if "RESOURCE_EXHAUSTED" not in str(exc):
                 raise
             return float("nan"), float("nan"), "out of memory"
-        return f, fb, ""
+        return ms["fwd"], ms["fwd_bwd"], ""
 
     def extra_kernels(self, case: Case) -> list[str]:
         return []

@@ -204,3 +204,30 @@ def test_kernel_classes_split_jax_fusions_by_the_kind_xla_emitted():
         "vectorized_elementwise_kernel<silu_kernel>": "other",
     }
     assert {name: tr.kernel_class(name) for name in want} == want
+
+
+def test_device_busy_in_ranges_counts_each_ranges_device_work_once():
+    """jax-like: device events on `/device:GPU:0` `Stream #` threads (two streams, one kernel
+    overlapping another), host ranges on the python thread; a kernel counts for the range it
+    started in, idle time and events outside every range for none."""
+    events = [
+        _meta(1, "/host:CPU"),
+        _meta(1, "python", tid=1),
+        _meta(2, "/device:GPU:0"),
+        _meta(2, "Stream #14(Compute)", tid=14),
+        _meta(2, "Stream #15(MemcpyH2D)", tid=15),
+        _meta(2, "XLA Ops", tid=3),  # derived from the streams: never counted
+        _x(1, 1, "hstu.timed/fwd/0", 0, 100),
+        _x(1, 1, "hstu.timed/fwd/1", 200, 100),
+        _x(1, 1, "hstu.timed/idle/0", 400, 50),
+        _x(1, 1, "other range", 500, 100),
+        _x(2, 14, "entry_mosaic_gpu_kernel", 10, 40),
+        _x(2, 15, "copy", 30, 30),  # overlaps: busy [10, 60)
+        _x(2, 14, "loop_select_fusion", 70, 20),  # [70, 90): 70 us in range 0
+        _x(2, 3, "fusion", 10, 80),
+        _x(2, 14, "entry_mosaic_gpu_kernel", 290, 50),  # starts inside range 1, ends after it
+        _x(2, 14, "late", 310, 5),  # between ranges: counted nowhere
+        _x(2, 14, "outside", 520, 30),  # in a range of another name
+    ]
+    busy = tr.device_busy_in_ranges(events, "hstu.timed/")
+    assert busy == {"hstu.timed/fwd/0": 70, "hstu.timed/fwd/1": 50, "hstu.timed/idle/0": 0}

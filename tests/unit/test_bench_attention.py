@@ -135,6 +135,43 @@ def test_torch_timing_replays_the_kernel_from_a_cuda_graph():
     assert note == "" and 0 < fwd_ms < fwd_bwd_ms
 
 
+def test_jax_device_time_reads_the_trace_or_says_none_on_a_cpu():
+    """`device_ms` traces its bursts; on a CPU the trace holds no device events, so it answers
+    None (the runners then time on the host's clock) instead of a figure of host threads."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU answer; tested against device work on a GPU below")
+    from hstu.jax_backend.device_time import device_ms
+
+    f = jax.jit(lambda x: x @ x)
+    assert device_ms({"mm": (f, (jax.numpy.ones((64, 64)),))}, calls=2, rounds=2) is None
+
+
+@pytest.mark.gpu
+def test_jax_device_time_scales_with_the_device_work():
+    """On a GPU: four chained matmuls take four times one matmul's device time (not a host
+    clock's, whose fixed dispatch and wait would make the ratio smaller), and the figure
+    holds from one call a round to ten."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from hstu.jax_backend.device_time import device_ms
+
+    x = jnp.ones((4096, 4096), jnp.bfloat16) / 4096
+
+    def chain(n):
+        def f(a):
+            for _ in range(n):
+                a = a @ x
+            return a
+
+        return jax.jit(f)
+
+    ms = device_ms({"one": (chain(1), (x,)), "four": (chain(4), (x,))}, calls=10, rounds=5)
+    assert ms["one"] > 0 and ms["four"] / ms["one"] == pytest.approx(4.0, rel=0.15)
+    once = device_ms({"one": (chain(1), (x,))}, calls=1, rounds=5)
+    assert once["one"] == pytest.approx(ms["one"], rel=0.15)
+
+
 _BLOCK = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
