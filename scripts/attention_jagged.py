@@ -186,13 +186,15 @@ def _jax_case(
     if cand is not None:
         extra["num_candidates"] = jnp.asarray(cand, jnp.int32)
 
-    def attn(q, k, v):
+    # the batch's arrays and dO are arguments, as in a training step: closed over, XLA folds
+    # the kernels' schedule (and dO's padding) into the program at compile time
+    def attn(q, k, v, offs, extra):
         return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering)
 
-    def attn_and_grads(q, k, v):
+    def attn_and_grads(q, k, v, offs, extra, g):
         # the output is returned too: the backward does not read it, and a program that
         # returned the gradients alone let XLA drop the forward kernel from the figure
-        out, pull = jax.vjp(attn, q, k, v)
+        out, pull = jax.vjp(lambda q, k, v: attn(q, k, v, offs, extra), q, k, v)
         return out, pull(g)
 
     fwd = jax.jit(attn)
@@ -200,11 +202,11 @@ def _jax_case(
 
     if profile:
         print(f"  -- forward, {lowering} lowering")
-        _jax_profile(fwd, (q, k, v))
+        _jax_profile(fwd, (q, k, v, offs, extra))
         print(f"  -- forward + backward, {lowering} lowering")
-        _jax_profile(fwd_bwd, (q, k, v))
+        _jax_profile(fwd_bwd, (q, k, v, offs, extra, g))
 
-    runs = {"fwd": (fwd, (q, k, v)), "fwd_bwd": (fwd_bwd, (q, k, v))}
+    runs = {"fwd": (fwd, (q, k, v, offs, extra)), "fwd_bwd": (fwd_bwd, (q, k, v, offs, extra, g))}
     ms = device_ms(runs, calls, rounds)  # the device's time, from a profiler trace
     if ms is None:  # no device events (a CPU): the host's clock
         ms = {name: _host_ms(fn, args, calls, rounds) for name, (fn, args) in runs.items()}

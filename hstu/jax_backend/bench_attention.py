@@ -50,14 +50,16 @@ class Runner:
         return None
 
     def inputs(self, case: Case, seed: int = 0):
-        """(q, k, v, grad_out), seq_offsets, static keyword arguments, bias tables."""
+        """(q, k, v), grad_out, the batch's arrays (`offsets`, with `--rab` `timestamps`), static
+        keyword arguments, bias tables. The arrays are arguments of the timed programs, as in a
+        training step: closed over, XLA would fold the kernels' schedule into the program."""
         rng = np.random.default_rng(seed)
         t, h, d = case.tokens, case.heads, case.dim
         dtype = DTYPES[case.dtype]
         q, k, v, do = (
             jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32).astype(dtype) for _ in range(4)
         )
-        offsets = jnp.asarray(np.concatenate([[0], np.cumsum(case.lengths)]), jnp.int32)
+        arrays = {"offsets": jnp.asarray(np.concatenate([[0], np.cumsum(case.lengths)]), jnp.int32)}
         static = dict(max_seqlen=case.seqlen, alpha=1.0 / np.sqrt(d), normalizer=float(case.seqlen))
         tables = {}
         if case.rab:
@@ -67,16 +69,19 @@ class Runner:
             tables["rab_time"] = jnp.asarray(
                 rng.standard_normal((h, TIME_BUCKETS)) * 0.1, jnp.float32
             )
-            static["timestamps"] = jnp.asarray(np.cumsum(rng.integers(0, 3600, t)), jnp.int32)
-        return (q, k, v), do, offsets, static, tables
+            arrays["timestamps"] = jnp.asarray(np.cumsum(rng.integers(0, 3600, t)), jnp.int32)
+        return (q, k, v), do, arrays, static, tables
 
-    def _fns(self, impl, offsets, static, names):
-        def fwd(q, k, v, *tabs):
-            return impl(q, k, v, offsets, **static, **dict(zip(names, tabs)))
+    def _fns(self, impl, static, names):
+        """`fwd(q, k, v, arrays, *tables)`, `fwd_bwd(q, k, v, arrays, *tables, do)`, jitted."""
 
-        def fwd_bwd(q, k, v, *rest):
+        def fwd(q, k, v, arrays, *tabs):
+            offsets, extra = arrays["offsets"], {n: a for n, a in arrays.items() if n != "offsets"}
+            return impl(q, k, v, offsets, **static, **extra, **dict(zip(names, tabs)))
+
+        def fwd_bwd(q, k, v, arrays, *rest):
             *tabs, do = rest
-            out, vjp = jax.vjp(fwd, q, k, v, *tabs)
+            out, vjp = jax.vjp(lambda q, k, v, *t: fwd(q, k, v, arrays, *t), q, k, v, *tabs)
             return (out, *vjp(do.astype(out.dtype)))
 
         return jax.jit(fwd), jax.jit(fwd_bwd)
@@ -86,12 +91,12 @@ class Runner:
 
     def check(self, case: Case) -> dict[str, float]:
         """max |kernel - reference| / max |reference| of the output and every gradient."""
-        qkv, do, offsets, static, tables = self.inputs(case, seed=1)
+        qkv, do, arrays, static, tables = self.inputs(case, seed=1)
         names = tuple(tables)
-        _, kernel_fb = self._fns(self._kernel, offsets, static, names)
-        _, ref_fb = self._fns(self.reference, offsets, static, names)
-        got = kernel_fb(*qkv, *tables.values(), do)
-        want = ref_fb(*(x.astype(jnp.float32) for x in qkv), *tables.values(), do)
+        _, kernel_fb = self._fns(self._kernel, static, names)
+        _, ref_fb = self._fns(self.reference, static, names)
+        got = kernel_fb(*qkv, arrays, *tables.values(), do)
+        want = ref_fb(*(x.astype(jnp.float32) for x in qkv), arrays, *tables.values(), do)
         errors = {}
         labels = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in names]
         for label, a, b in zip(labels, got, want):
@@ -124,9 +129,9 @@ class Runner:
         return statistics.median(run(n) / n for _ in range(repeats))
 
     def time(self, case: Case, warmup: int, repeats: int) -> tuple[float, float, str]:
-        qkv, do, offsets, static, tables = self.inputs(case)
-        fwd, fwd_bwd = self._fns(self._kernel, offsets, static, tuple(tables))
-        args = (*qkv, *tables.values())
+        qkv, do, arrays, static, tables = self.inputs(case)
+        fwd, fwd_bwd = self._fns(self._kernel, static, tuple(tables))
+        args = (*qkv, arrays, *tables.values())
         runs = {"fwd": (fwd, args), "fwd_bwd": (fwd_bwd, (*args, do))}
         try:
             ms = None if self.interpret else device_ms(runs, DEVICE_CALLS, repeats, warmup)
