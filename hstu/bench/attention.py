@@ -13,10 +13,10 @@ For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-token
 * **timing**: forward and forward + backward, medians over `--repeats` after `--warmup` (torch:
   CUDA events around a CUDA-graph replay of the call, i.e. device time as in the graphed
   training step, for the kernel and SDPA alike; eager, and noted, where a call cannot be
-  captured; jax: bursts of calls dispatched back to back, ~2 ms each, divided by their
-  count: device time where a call's device work outlasts its ~20-50 us dispatch, the
-  dispatch's time below that, an upper bound, where a single call's wall clock had added one
-  dispatch to every point); TFLOP/s on the unmasked (query, key) pairs only: forward = 4 *
+  captured; jax: the device's busy time in a `jax.profiler` trace of 10 calls dispatched
+  back to back, divided by 10, `hstu.jax_backend.device_time`: the host's clock read the
+  Mosaic kernels up to 1.3x slow, its dispatch and wait included; on a CPU, the host's
+  clock); TFLOP/s on the unmasked (query, key) pairs only: forward = 4 *
   pairs * H * D (Q K^T and P V), forward + backward = 3.5 x forward (the flash-attention
   convention);
 * `--jagged zipf`: besides the equal-length batch, a batch of Zipf(1.2) lengths in [16, S] with
