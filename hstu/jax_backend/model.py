@@ -265,14 +265,27 @@ class HSTUModel(nn.Module):
         if self.cfg.task == "ranking":
             self.head = RankingHead(self.cfg)
 
-    def encode(self, batch: DeviceBatch, deterministic: bool = True, tables: dict | None = None):
+    def stack(self, batch: DeviceBatch, deterministic: bool = True, tables: dict | None = None):
+        """The HSTU layers' output `[T, D]` before the final norm (the residual stream, in the
+        compute dtype), and the token layout."""
         lay = token_layout(batch)
         x, ts = self.embedding(batch, lay, tables)
         # the residual stream in the compute dtype, as torch runs it (the norms compute in fp32)
         x = x.astype(DTYPES[self.cfg.dtype])
         for layer in self.layers:
             x = layer(x, lay, ts, deterministic)
+        return x, lay
+
+    def encode(self, batch: DeviceBatch, deterministic: bool = True, tables: dict | None = None):
+        """`z [T, D]`: every token's output, final norm applied (fp32), and the token layout."""
+        x, lay = self.stack(batch, deterministic, tables)
         return self.final_norm(x), lay
+
+    def _rows(self, x: jax.Array, tok: jax.Array) -> jax.Array:
+        """The final norm of the stack's rows `tok` (fp32): the norm is row-wise, so this is
+        `encode`'s `z[tok]`, without a `[T, D]` fp32 pass (and its backward, a scatter into
+        one) for the few rows a loss reads."""
+        return self.final_norm(x[jnp.clip(tok, 0, x.shape[0] - 1)])
 
     def __call__(
         self,
@@ -281,21 +294,21 @@ class HSTUModel(nn.Module):
         deterministic: bool = True,
         tables: dict | None = None,
     ):
-        z, lay = self.encode(batch, deterministic, tables)
+        x, lay = self.stack(batch, deterministic, tables)
         denom = jnp.maximum(jnp.asarray(global_loss_tokens, jnp.float32), 1.0)
         if self.cfg.task == "ranking":
-            return self._ranking(batch, z, lay, denom)
-        return self._retrieval(batch, z, lay, denom, tables)
+            return self._ranking(batch, x, lay, denom)
+        return self._retrieval(batch, x, lay, denom, tables)
 
     # ------------------------------------------------------------------ scoring (evaluation)
     def query_embeddings(self, batch: DeviceBatch) -> jax.Array:
         """`[B, D]`: each sample's encoder output at its last history event's action token,
         the position whose output the retrieval loss scores the next item with, normalised as
         there (padding samples: an arbitrary row)."""
-        z, lay = self.encode(batch)
+        x, lay = self.stack(batch)
         last = jnp.maximum(batch.lengths["item"] - 1, 0)
         tok = lay["offsets"][:-1] + lay["num_contextual"] + 2 * last + 1
-        return _normalize(z[jnp.clip(tok, 0, z.shape[0] - 1)].astype(jnp.float32))
+        return _normalize(self._rows(x, tok).astype(jnp.float32))
 
     def item_embeddings(self) -> jax.Array:
         """`[num_items, D]`: the item table normalised as the retrieval loss normalises it."""
@@ -304,10 +317,10 @@ class HSTUModel(nn.Module):
     def candidate_logits(self, batch: DeviceBatch) -> jax.Array:
         """`[candidate capacity, num_tasks]`: the ranking head's logits, candidates packed at
         the front (rows past `sum(lengths["candidate"])` are padding)."""
-        z, lay = self.encode(batch)
-        return self._candidate_logits(batch, z, lay)
+        x, lay = self.stack(batch)
+        return self._candidate_logits(batch, x, lay)
 
-    def _candidate_logits(self, batch, z, lay):
+    def _candidate_logits(self, batch, x, lay):
         k = batch.lengths["candidate"]
         sample, j = _owner(k, batch.spec.capacity("candidate"))
         tok = (
@@ -316,25 +329,25 @@ class HSTUModel(nn.Module):
             + 2 * batch.lengths["item"][sample]
             + j
         )
-        return self.head(z[jnp.clip(tok, 0, z.shape[0] - 1)]).astype(jnp.float32)
+        return self.head(self._rows(x, tok)).astype(jnp.float32)
 
-    def _ranking(self, batch, z, lay, denom):
+    def _ranking(self, batch, x, lay, denom):
         k = batch.lengths["candidate"]
         cpos = jnp.arange(batch.spec.capacity("candidate"), dtype=jnp.int32)
-        logits = self._candidate_logits(batch, z, lay)
+        logits = self._candidate_logits(batch, x, lay)
         bits = jnp.arange(self.cfg.num_tasks, dtype=jnp.int32)
         labels = ((batch.values["label"][:, None] >> bits) & 1).astype(jnp.float32)
         per = optax.sigmoid_binary_cross_entropy(logits, labels).sum(axis=1)
         valid = cpos < jnp.sum(k)
         return jnp.sum(jnp.where(valid, per, 0.0)) / denom, {}
 
-    def _retrieval(self, batch, z, lay, denom, tables=None):
+    def _retrieval(self, batch, x, lay, denom, tables=None):
         length, r = batch.lengths["item"], self.cfg.num_negatives
         epos = jnp.arange(batch.spec.capacity("item"), dtype=jnp.int32)
         sample, l_ = _owner(length, epos.shape[0])
         valid = (epos < jnp.sum(length)) & (l_ < length[sample] - 1)
         tok = lay["offsets"][sample] + lay["num_contextual"][sample] + 2 * l_ + 1
-        query = _normalize(z[jnp.clip(tok, 0, z.shape[0] - 1)].astype(jnp.float32))
+        query = _normalize(self._rows(x, tok).astype(jnp.float32))
         pos_id = _take(batch.values["item"], epos + 1)
         neg_start = _excl(batch.lengths["negative"])[sample] + l_ * r
         neg_id = _take(
