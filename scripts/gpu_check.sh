@@ -250,9 +250,15 @@ print('torchrec', torchrec.__version__)" ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
       # jax in both Pallas lowerings of its kernels ($ATTN_LOWERINGS); $ATTN_BATCHES,
-      # $ATTN_SEQLENS, $ATTN_DIMS: the grid (neither backend needs the TorchRec wheels here)
+      # $ATTN_SEQLENS, $ATTN_DIMS: the grid (neither backend needs the TorchRec wheels here);
+      # $ATTN_RESUME: a carried folder holding an earlier call's attention_<backend>.json, whose
+      # points are kept and not timed again (`--resume`: a grid spread over several calls)
+      mkdir -p /tmp/attention
       for backend in ${ATTN_BACKENDS:-torch jax}; do
         extra=""; [ $backend = jax ] && extra="--lowerings ${ATTN_LOWERINGS:-triton,mosaic}"
+        if [ -n "${ATTN_RESUME:-}" ] && [ -f "$ATTN_RESUME/attention_$backend.json" ]; then
+          cp "$ATTN_RESUME/attention_$backend.json" /tmp/attention/ && extra="$extra --resume"
+        fi
         run "attention_$backend" python -m hstu.cli bench attention --backend $backend \
           --batches ${ATTN_BATCHES:-1,4,16,64} --seqlens ${ATTN_SEQLENS:-256,1024,4096,8192} \
           --dims ${ATTN_DIMS:-64,128,256} --max-tokens 65536 --out /tmp/attention $extra

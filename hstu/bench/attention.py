@@ -3,6 +3,7 @@
     hstu bench attention --backend {torch,jax} [--batches 1,2,...,128] [--seqlens 64,...,8192]
         [--dims 64,128,256] [--heads 4] [--dtype bf16] [--jagged zipf] [--rab] [--no-sdpa]
         [--lowerings triton,mosaic] [--max-tokens N] [--warmup W] [--repeats R] [--out DIR]
+        [--resume]
 
 For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-tokens`:
 
@@ -27,8 +28,11 @@ For every (batch B, seqlen S, head dim D) of the grid with B * S <= `--max-token
   `triton`, kernel `pallas`; `mosaic`, kernel `mosaic`, which needs a Hopper GPU, jax >= 0.11,
   16-bit inputs and no `--rab`: a lowering that cannot run the grid is named before any work).
 
-Writes `attention_<backend>.json` (every point, with the check's errors) and one heatmap PNG
-per kernel and head dim (forward + backward TFLOP/s over batch x seqlen) under `--out`. On a
+Writes `attention_<backend>.json` (every point, with the check's errors; rewritten after every
+point, so a run cut short keeps what it measured) and one heatmap PNG per kernel and head dim
+(forward + backward TFLOP/s over batch x seqlen) under `--out`. `--resume` keeps the points
+of the report already there (same backend and device) and times only the grid's others: a
+grid too long for one sitting is run in parts, and the table and heatmaps cover them all. On a
 CPU the kernels run in interpret mode: the check is meaningful, the timings are not.
 
 The per-backend halves are `hstu.<backend>_backend.bench_attention` (`Runner`); this
@@ -40,6 +44,7 @@ stack: the torch kernels are benchmarked where TorchRec / fbgemm are not install
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -181,8 +186,12 @@ def verdict(errors: dict[str, float], dtype: str) -> dict:
     return {"ok": not bad, "tolerance": tol, "errors": errors, "failed": sorted(bad)}
 
 
-def run(runner, cases: list[Case], warmup: int, repeats: int, say=print) -> list[Point]:
-    """Check, then time, every case with the runner's kernel (and its extra kernels)."""
+def run(
+    runner, cases: list[Case], warmup: int, repeats: int, say=print, on_case=None
+) -> list[Point]:
+    """Check, then time, every case with the runner's kernel (and its extra kernels);
+    `on_case(points)` after each case, with the points so far (the report is saved so, and a
+    run cut short keeps what it measured)."""
     points, checked = [], {}
     for i, case in enumerate(cases):
         key = (case.seqlen, case.dim, case.layout)
@@ -200,7 +209,41 @@ def run(runner, cases: list[Case], warmup: int, repeats: int, say=print) -> list
             fwd, fwd_bwd, note = runner.time_extra(extra, case, warmup, repeats)
             points.append(Point(extra, case, {"ok": True, "yardstick": True}, fwd, fwd_bwd, note))
         say(f"[{i + 1}/{len(cases)}] {_row_label(case)}: {_brief(points[-1 - len(extras) :])}")
+        if on_case is not None:
+            on_case(points)
     return points
+
+
+def case_of(d: dict) -> Case:
+    """The `Case` of a report's point (`Point.as_dict`): its lengths, which the report leaves
+    out, are the grid's (`zipf_lengths` is seeded by batch and seqlen)."""
+    b, s = d["batch"], d["seqlen"]
+    lengths = (s,) * b if d["layout"] == "equal" else zipf_lengths(b * s, s, hash((b, s)) % 2**31)
+    return Case(b, s, d["dim"], d["heads"], d["dtype"], d["layout"], lengths, d["rab"])
+
+
+def point_of(d: dict) -> Point:
+    return Point(d["kernel"], case_of(d["case"]), d["check"], d["fwd_ms"], d["fwd_bwd_ms"],
+                 d["note"])  # fmt: skip
+
+
+def load_report(path: Path, backend: str, device: str, interpret: bool) -> list[Point]:
+    """The points of an earlier report at `path` (`--resume`), which must come from the same
+    backend on the same kind of device (figures of two GPUs do not belong in one table)."""
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise HSTUError(f"--resume: cannot read {path}: {exc}") from exc
+    theirs = (report.get("backend"), report.get("device"), report.get("interpret"))
+    if theirs != (backend, device, interpret):
+        raise HSTUError(
+            f"--resume: {path} holds backend {theirs[0]!r} on {theirs[1]!r} (interpret "
+            f"{theirs[2]}); this run is {backend!r} on {device!r} (interpret {interpret}): "
+            "give another --out"
+        )
+    return [point_of(d) for d in report["points"]]
 
 
 def _row_label(case: Case) -> str:
@@ -340,6 +383,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="runs/bench_attention")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points of --out's report (same backend and device) and time only the "
+        "grid's others; the report is rewritten after every point either way",
+    )
     return ap
 
 
@@ -375,24 +424,36 @@ def main(argv: list[str] | None = None) -> int:
             why = runner.problem(args.dims, args.dtype, args.rab)
             if why:
                 raise HSTUError(f"--lowerings {runner.lowering}: {why}")
-    points = []
-    for runner in runners:
-        print(f"# {runner.kernel} HSTU attention on {runner.device}: {len(cases)} cases")
-        points += run(runner, cases, args.warmup, args.repeats)
-    print(table(points))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {
-        "backend": args.backend,
-        "kernels": [r.kernel for r in runners],
-        "device": runners[0].device,
-        "interpret": runners[0].interpret,
-        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-        "fwd_bwd_factor": FWD_BWD_FACTOR,
-        "points": [p.as_dict() for p in points],
-    }
     path = out / f"attention_{args.backend}.json"
-    path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+    device, interpret = runners[0].device, runners[0].interpret
+    points = load_report(path, args.backend, device, interpret) if args.resume else []
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(points: list[Point]) -> None:
+        report = {
+            "backend": args.backend,
+            "kernels": sorted({p.kernel for p in points}),
+            "device": device,
+            "interpret": interpret,
+            "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+            "fwd_bwd_factor": FWD_BWD_FACTOR,
+            "points": [p.as_dict() for p in points],
+        }
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+        tmp.replace(path)  # a run killed mid-write leaves the last whole report
+
+    for runner in runners:
+        have = {p.case for p in points if p.kernel == runner.kernel}
+        todo = [c for c in cases if c not in have]
+        kept = f" ({len(cases) - len(todo)} kept from {path})" if len(todo) < len(cases) else ""
+        print(f"# {runner.kernel} HSTU attention on {device}: {len(todo)} cases{kept}")
+        before = list(points)
+        saving = functools.partial(lambda done, new: save(done + new), before)
+        points = before + run(runner, todo, args.warmup, args.repeats, on_case=saving)
+    save(points)
+    print(table(points))
     pngs = heatmaps(points, out, f"{runners[0].device}, {args.dtype}, H={args.heads}")
     print(f"wrote {path} and {len(pngs)} heatmap(s) under {out}")
     failed = [p for p in points if not p.check.get("ok")]

@@ -61,6 +61,75 @@ def test_a_point_that_fails_the_check_is_not_timed_and_fails_the_run():
     assert "FAIL" in ba.table(points)
 
 
+class _Stub:
+    """A runner whose timings are known (ms = batch / 10) and that can lose its device at a
+    given batch: what `--resume` and the per-point report are about, not the kernel."""
+
+    kernel, device, interpret = "stub", "Stub GPU", False
+    timed: list = []
+    lose_at: int | None = None
+
+    def __init__(self, sdpa: bool = True):
+        pass
+
+    def check(self, case):
+        return {"out": 0.0}
+
+    def time(self, case, warmup, repeats):
+        if case.batch == _Stub.lose_at:
+            raise RuntimeError("device lost")
+        _Stub.timed.append(case.batch)
+        return case.batch / 10, 3 * case.batch / 10, ""
+
+    def extra_kernels(self, case):
+        return []
+
+
+def test_a_cut_run_keeps_its_points_and_resume_times_only_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setattr(ba, "_runner_class", lambda backend: _Stub)
+    monkeypatch.setattr(_Stub, "timed", [])
+    argv = ["--backend", "torch", "--seqlens", "16", "--dims", "16", "--jagged", "none"]
+    argv += ["--out", str(tmp_path)]
+    monkeypatch.setattr(_Stub, "lose_at", 4)
+    with pytest.raises(RuntimeError, match="device lost"):
+        ba.main([*argv, "--batches", "1,2,4"])
+    path = tmp_path / "attention_torch.json"
+    kept = json.loads(path.read_text())["points"]
+    assert [(p["case"]["batch"], p["fwd_ms"]) for p in kept] == [(1, 0.1), (2, 0.2)]
+
+    monkeypatch.setattr(_Stub, "lose_at", None)
+    _Stub.timed.clear()
+    assert ba.main([*argv, "--batches", "1,2,4,8", "--resume"]) == 0
+    assert _Stub.timed == [4, 8]  # the kept points are not timed again
+    points = json.loads(path.read_text())["points"]
+    assert [(p["case"]["batch"], p["fwd_bwd_ms"]) for p in points] == [
+        (1, pytest.approx(0.3)), (2, pytest.approx(0.6)), (4, pytest.approx(1.2)),
+        (8, pytest.approx(2.4)),
+    ]  # fmt: skip
+    _Stub.timed.clear()
+    assert ba.main([*argv, "--batches", "1,2"]) == 0  # no --resume: everything again
+    assert _Stub.timed == [1, 2]
+
+
+def test_resume_refuses_a_report_of_another_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(ba, "_runner_class", lambda backend: _Stub)
+    monkeypatch.setattr(_Stub, "timed", [])
+    argv = ["--backend", "torch", "--batches", "1", "--seqlens", "16", "--dims", "16"]
+    argv += ["--out", str(tmp_path)]
+    assert ba.main(argv) == 0
+    monkeypatch.setattr(_Stub, "device", "Another GPU")
+    with pytest.raises(Exception, match="'Stub GPU'.*'Another GPU'.*another --out"):
+        ba.main([*argv, "--resume"])
+    assert _Stub.timed == [1, 1]  # the equal and the Zipf batch, once: nothing after the refusal
+
+
+def test_zipf_points_read_back_with_their_lengths():
+    case = ba.grid(_args())[1]
+    assert case.layout == "zipf"
+    back = ba.point_of(ba.Point("k", case, {"ok": True}, 1.0, 2.0, "").as_dict())
+    assert back.case == case
+
+
 @pytest.mark.slow  # ~10 s per backend on 2 cores: with the other end-to-end commands
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_bench_attention_checks_times_and_writes(backend, tmp_path, capsys):
