@@ -119,19 +119,41 @@ class Embeddings(nn.Module):
     def __call__(
         self, batch: DeviceBatch, lay: dict, tables: dict | None = None
     ) -> tuple[jax.Array, jax.Array]:
-        """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`."""
+        """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`.
+
+        Each id is looked up once where the batch packs it (history and candidate items in
+        one lookup, actions, contextual ids), as TorchRec looks up a KJT's values, and one
+        gather puts the rows in token order: a table's gradient then gathers from the rows
+        looked up, not from `[T]` lookups of every table masked to their tokens (three
+        lookups of T rows, and three scatter-adds of T rows into the tables' rows, most of
+        them zeros piling onto a few rows)."""
         v = batch.values
-        hist, cand = lay["is_hist"], lay["is_cand"]
-        item_id = jnp.where(
-            hist, _take(v["item"], lay["item_idx"]), _take(v["candidate"], lay["cand_idx"])
-        )
+        hist, cand, ctx = lay["is_hist"], lay["is_cand"], lay["is_ctx"]
         ctx_vals = v.get("contextual", jnp.zeros((1,), jnp.int32))
-        e_item = self.lookup("item", item_id, tables)
-        e_act = self.lookup("action", _take(v["action"], lay["item_idx"]), tables)
-        e_ctx = self.lookup("contextual", _take(ctx_vals, lay["ctx_idx"]), tables)
-        x = jnp.where(lay["is_action"][:, None], e_act, e_item)
-        x = jnp.where(lay["is_ctx"][:, None], e_ctx, x)
-        x = jnp.where((hist | cand | lay["is_ctx"])[:, None], x, 0.0)
+        n_item, n_cand, n_act = v["item"].shape[0], v["candidate"].shape[0], v["action"].shape[0]
+        rows = jnp.concatenate(
+            [
+                self.lookup("item", jnp.concatenate([v["item"], v["candidate"]]), tables),
+                self.lookup("action", v["action"], tables),
+                self.lookup("contextual", ctx_vals, tables),
+            ]
+        )
+
+        def last(idx, n):  # clipped: capacity padding's slots point anywhere
+            return jnp.clip(idx, 0, n - 1)
+
+        src = jnp.where(
+            lay["is_action"],
+            n_item + n_cand + last(lay["item_idx"], n_act),
+            jnp.where(hist, last(lay["item_idx"], n_item), n_item + last(lay["cand_idx"], n_cand)),
+        )
+        src = jnp.where(ctx, n_item + n_cand + n_act + last(lay["ctx_idx"], ctx_vals.shape[0]), src)
+        # capacity padding: a zero row, read from distinct rows (its zero gradient then adds
+        # onto many rows, not all onto one)
+        t = jnp.arange(src.shape[0], dtype=src.dtype)
+        real = hist | cand | ctx
+        src = jnp.where(real, src, t % rows.shape[0])
+        x = jnp.where(real[:, None], jnp.take(rows, src, axis=0), 0.0)
         ts = jnp.where(
             hist,
             _take(v["item_time"], lay["item_idx"]),
