@@ -41,7 +41,10 @@ def device_ms(
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # ranges and device events only: a small, fast trace
     with tempfile.TemporaryDirectory(prefix="hstu-device-time-") as tmp:
-        jax.profiler.start_trace(tmp, create_perfetto_trace=True, profiler_options=options)
+        try:
+            jax.profiler.start_trace(tmp, create_perfetto_trace=True, profiler_options=options)
+        except RuntimeError:  # a trace of the caller's is running: one trace at a time
+            return None
         try:
             for r in range(rounds):
                 for name, (fn, args) in runs.items():

@@ -213,7 +213,21 @@ def test_jax_device_time_reads_the_trace_or_says_none_on_a_cpu():
     from hstu.jax_backend.device_time import device_ms
 
     f = jax.jit(lambda x: x @ x)
-    assert device_ms({"mm": (f, (jax.numpy.ones((64, 64)),))}, calls=2, rounds=2) is None
+    runs = {"mm": (f, (jax.numpy.ones((64, 64)),))}
+    assert device_ms(runs, calls=2, rounds=2) is None
+
+
+def test_jax_device_time_steps_aside_for_a_running_trace(tmp_path):
+    """Inside the caller's own `jax.profiler` trace (one at a time) `device_ms` answers None
+    instead of failing, and leaves that trace running."""
+    jax = pytest.importorskip("jax")
+    from hstu.jax_backend.device_time import device_ms
+
+    f = jax.jit(lambda x: x @ x)
+    with jax.profiler.trace(str(tmp_path)):
+        assert device_ms({"mm": (f, (jax.numpy.ones((64, 64)),))}, calls=1, rounds=1) is None
+        jax.block_until_ready(f(jax.numpy.ones((64, 64))))
+    assert list(tmp_path.rglob("*.xplane.pb"))  # the caller's trace was written
 
 
 @pytest.mark.gpu
