@@ -4,6 +4,7 @@
         [--profile [CASE ...]]       (per-kernel device time of those cases; none named: all)
         [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
+        [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
         [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
                                       keep their defaults)
@@ -32,10 +33,10 @@ from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
 CONTEXTUAL = 4
 
 
-def cases(equal=((8, 4096),)):
+def cases(equal=((8, 4096),), recipe: bool = True):
     """(name, lengths, candidates or None, contextual, max_seqlen)."""
     out = []
-    for seed in range(3):
+    for seed in range(3 if recipe else 0):
         lengths, cand = bench_upstream_batch(np.random.default_rng(seed), 32)
         out.append((f"upstream seed {seed}", lengths, cand, CONTEXTUAL, MAX_SEQLEN))
     for batch, seqlen in equal:
@@ -232,6 +233,8 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20, help="calls back to back per round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--no-recipe", dest="recipe", action="store_false",
+                    help="leave out the recipe's three jagged batches")  # fmt: skip
     ap.add_argument("--equal", type=_equal, nargs="+", default=[(8, 4096)],
                     help="equal-length batches BxS after the recipe's")  # fmt: skip
     ap.add_argument("--profile", nargs="*", default=None, metavar="CASE",
@@ -253,7 +256,7 @@ def main(argv=None) -> None:
           f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
     timed = _graph_timer(args.calls, args.rounds) if args.backend == "torch" else None
-    for name, lengths, cand, ctx, max_seqlen in cases(args.equal):
+    for name, lengths, cand, ctx, max_seqlen in cases(args.equal, args.recipe):
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         profile = args.profile is not None and (not args.profile or name in args.profile)
         if args.backend == "torch":

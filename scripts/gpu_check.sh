@@ -240,12 +240,20 @@ print('torchrec', torchrec.__version__)" ;;
       # per-kernel device time of the attention call on the case $APROF_CASE (default the
       # recipe's batch of short samples) and on one 4096-token sample (scripts/attention_jagged.py
       # --profile), torch's Triton kernels and jax's Mosaic ones at head dim $APROF_DIM:
-      # which kernel (or which part of the jax wrapper) sets each case's time
+      # which kernel (or which part of the jax wrapper) sets each case's time. $APROF_EQUAL
+      # (e.g. "16x256 64x256"): those equal-length batches instead, every one profiled, the
+      # recipe's left out
       for backend in torch jax; do
         extra=""; [ $backend = jax ] && extra="--lowering mosaic"
-        run "attnprof_$backend" python scripts/attention_jagged.py --backend $backend \
-          --dim ${APROF_DIM:-256} --equal 1x4096 --calls 10 --rounds 3 $extra \
-          --profile "${APROF_CASE:-upstream seed 2}" "1 x 4096"
+        if [ -n "${APROF_EQUAL:-}" ]; then
+          run "attnprof_$backend" python scripts/attention_jagged.py --backend $backend \
+            --dim ${APROF_DIM:-256} --no-recipe --equal $APROF_EQUAL --calls 10 --rounds 3 \
+            $extra --profile
+        else
+          run "attnprof_$backend" python scripts/attention_jagged.py --backend $backend \
+            --dim ${APROF_DIM:-256} --equal 1x4096 --calls 10 --rounds 3 $extra \
+            --profile "${APROF_CASE:-upstream seed 2}" "1 x 4096"
+        fi
       done ;;
     attention)
       # hstu bench attention: checked then timed over batch x seqlen x head dim (+ Zipf batches);
