@@ -248,10 +248,14 @@ class HSTULayer(nn.Module):
         return x, (self.output(y, output_lp), None)
 
 
-def run_stack(layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict) -> torch.Tensor:
-    """The HSTU layers and the final norm: `z [T, D]` in fp32. Each layer's residual add
-    happens in the next norm (`HSTULayer.forward`); a reduced-precision stack's linears get
-    their parameters' copies in x's dtype from one multi-tensor copy (`reduced_weights`)."""
+def run_stack(
+    layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The HSTU layers and the final norm: `z [T, D]` in fp32, or only its rows `rows` (the
+    ones a loss reads: the last residual add and the norm are row-wise, so the same values
+    without the `[T, D]` pass each way). Each layer's residual add happens in the next norm
+    (`HSTULayer.forward`); a reduced-precision stack's linears get their parameters' copies
+    in x's dtype from one multi-tensor copy (`reduced_weights`)."""
     linears = [linear for layer in layers for linear in (layer.uvqk, layer.output)]
     reduced = None
     if linears and x.dtype != linears[0].kernel.dtype:
@@ -259,6 +263,13 @@ def run_stack(layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict) -> torc
     pending = None
     for i, layer in enumerate(layers):
         x, pending = layer(x, seq, pending, reduced[2 * i : 2 * i + 2] if reduced else None)
+    if rows is not None and rows.numel() == 0:  # no row to read (a rank without targets):
+        # the whole stream's norm, so that every parameter still gets a (zero) gradient
+        return final_norm.add(x, pending)[1].float().index_select(0, rows)
+    if rows is not None:
+        x = x.index_select(0, rows)
+        if pending is not None:
+            pending = (pending[0].index_select(0, rows), pending[1])
     return final_norm.add(x, pending)[1].float()
 
 
@@ -418,9 +429,16 @@ class HSTUModel(nn.Module):
         }
         return x, seq
 
-    def stack(self, x: torch.Tensor, seq: dict) -> torch.Tensor:
-        """The HSTU layers and the final norm: `z [T, D]` in fp32."""
-        return run_stack(self.layers, self.final_norm, x, seq)
+    def stack(self, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The HSTU layers and the final norm: `z [T, D]` in fp32, or its rows `rows`."""
+        return run_stack(self.layers, self.final_norm, x, seq, rows)
+
+    def loss_rows(self, seq: dict) -> torch.Tensor:
+        """The tokens whose output the loss reads: each candidate (ranking), each target's
+        query, the action token of the event before it (retrieval)."""
+        if self.cfg.task == "ranking":
+            return seq["pos_cand"]
+        return seq["pos_item"][seq["target_item"]] + 1
 
     def encode(self, tb: TorchBatch, emb: dict | None = None) -> tuple[torch.Tensor, dict]:
         """The HSTU stack's output `z [T, D]` (fp32, final norm applied) and the layout.
@@ -435,7 +453,12 @@ class HSTUModel(nn.Module):
     ) -> tuple[torch.Tensor, dict]:
         """(local loss sum / global target count, {metric: local sum}) for one batch; `emb`:
         its rows looked up already (`looked_up`), else the model looks them up."""
-        z, seq = self.encode(tb, emb)
+        x, seq = self.sequence(tb, emb)
+        rows = self.loss_rows(seq)
+        if self.graphed is not None and self.training and torch.is_grad_enabled():
+            z = self.graphed(x, seq).index_select(0, rows)  # the graphed stack: all T rows
+        else:
+            z = self.stack(x, seq, rows)
         denom = float(max(int(global_loss_tokens), 1))
         if self.cfg.task == "ranking":
             return self._ranking_loss(z, seq, denom)
@@ -446,9 +469,9 @@ class HSTUModel(nn.Module):
         """`[B, D]`: each sample's encoder output at its last history event's action token,
         the position whose output the retrieval loss scores the next item with, normalised as
         there. Every sample needs at least one history event."""
-        z, seq = self.encode(tb)
+        x, seq = self.sequence(tb)
         last = torch.cumsum(seq["lengths"]["item"], 0) - 1  # each sample's last event
-        return F.normalize(z.index_select(0, seq["pos_item"][last] + 1), dim=-1, eps=1e-6)
+        return F.normalize(self.stack(x, seq, seq["pos_item"][last] + 1), dim=-1, eps=1e-6)
 
     def item_embeddings(self) -> torch.Tensor:
         """`[num_items, D]`: the item table normalised as the retrieval loss normalises it."""
@@ -457,15 +480,16 @@ class HSTUModel(nn.Module):
 
     def candidate_logits(self, tb: TorchBatch) -> torch.Tensor:
         """`[sum K, num_tasks]`: the ranking head's logits of every candidate."""
-        z, seq = self.encode(tb)
-        return self._candidate_logits(z, seq)
+        x, seq = self.sequence(tb)
+        return self.ranking_head(self.stack(x, seq, seq["pos_cand"]))
 
-    def _candidate_logits(self, z, seq):
-        zc = z.index_select(0, seq["pos_cand"])
-        return self.head.out(F.silu(self.head.hidden(zc)))  # [sum K, num_tasks]
+    def ranking_head(self, zc: torch.Tensor) -> torch.Tensor:
+        """`[rows, num_tasks]` logits of the encoder's rows `zc` (the candidates')."""
+        return self.head.out(F.silu(self.head.hidden(zc)))
 
-    def _ranking_loss(self, z, seq, denom):
-        logits = self._candidate_logits(z, seq)
+    def _ranking_loss(self, zc, seq, denom):
+        """`zc`: the candidates' rows (`loss_rows`)."""
+        logits = self.ranking_head(zc)
         bce = self.ranking_terms(logits, seq["ids"]["label"].values())
         return bce.sum() / denom, {}
 
@@ -476,15 +500,16 @@ class HSTUModel(nn.Module):
         labels = ((label_bits[:, None] >> bits) & 1).to(logits.dtype)
         return F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
 
-    def _retrieval_loss(self, z, seq, denom):
+    def _retrieval_loss(self, zq, seq, denom):
+        """`zq`: each target's query row (`loss_rows`)."""
         r = self.cfg.num_negatives
         item_idx = seq["target_item"]  # event l of its sample, for l < L - 1 (layout.py)
         num_targets = item_idx.numel()  # negatives: (L - 1) * R per sample (checked)
         emb, ids = seq["emb"], seq["ids"]
         loss, hit, ndcg = self.retrieval_terms(
-            z.index_select(0, seq["pos_item"][item_idx] + 1),
+            zq,
             emb["item"].index_select(0, item_idx + 1),
-            emb["negative"].reshape(num_targets, r, z.shape[1]),
+            emb["negative"].reshape(num_targets, r, zq.shape[1]),
             ids["item"].values().index_select(0, item_idx + 1),
             ids["negative"].values().reshape(num_targets, r),
         )

@@ -420,16 +420,17 @@ class StepGraphs:
             "num_candidates": v["num_candidates"],
             "timestamps": None if s.time is None else s.time.index_select(0, inverse),
         }
-        z = model.stack(e.index_select(0, inverse), seq)
+        # the final norm on the rows the loss reads only (row-wise: the same values)
+        z = model.stack(e.index_select(0, inverse), seq, rows=v["loss_a"])
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":
-            logits = model._candidate_logits(z, {"pos_cand": v["loss_a"]})
+            logits = model.ranking_head(z)
             bce = model.ranking_terms(logits, s.extra)
             loss = torch.where(real_rows[:, None], bce, 0.0).sum() / denom
             return loss, {}, (lookups, rows, small_lookups)
         r, item_src = self.num_negatives, v["loss_b"]
         loss, hit, ndcg = model.retrieval_terms(
-            z.index_select(0, v["loss_a"]),
+            z,
             e_item.index_select(0, item_src),
             e_neg.reshape(s.loss_rows, r, -1),
             ids.index_select(0, item_src),
