@@ -28,13 +28,14 @@ def device_ms(
     runs: dict[str, tuple[Callable, tuple]], calls: int, rounds: int, warmup: int = 1
 ) -> dict[str, float] | None:
     """`{name: ms}`: the device time of one call `fn(*args)` of each `runs[name]`, the median
-        over `rounds` rounds of `calls` calls dispatched back to back, after `warmup` calls each
+    over `rounds` rounds of `calls` calls dispatched back to back, after `warmup` calls each
     (at least one: the first compiles).
 
-        Device work only, as torch's CUDA-graph replays of a kernel time it (no dispatch, no wait,
-        no idle between calls; unlike a graph replay, not the ~1-2 us gaps between one call's
-        kernels either). None where the trace holds no device events (a CPU backend: its
-        programs run on host threads, so time them on the host's clock)."""
+    Device work only, as torch's CUDA-graph replays of a kernel time it (no dispatch, no wait,
+    no idle between calls; unlike a graph replay, not the ~1-2 us gaps between one call's
+    kernels either). None where the trace holds no device events (a CPU backend: its
+    programs run on host threads) or where a trace is already running (the caller's
+    profiler; one trace at a time): time them on the host's clock then."""
     for fn, args in runs.values():
         for _ in range(max(warmup, 1)):
             jax.block_until_ready(fn(*args))
