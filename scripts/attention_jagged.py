@@ -24,8 +24,6 @@ two trees in turn to time them side by side.
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
@@ -174,7 +172,7 @@ def _jax_case(
     import jax.numpy as jnp
     from hstu_kernels.pallas import hstu_attention
 
-    from hstu.jax_backend.device_time import device_ms
+    from hstu.jax_backend.device_time import time_ms
 
     key = jax.random.split(jax.random.key(0), 4)
     T = int(lengths.sum())
@@ -208,22 +206,8 @@ def _jax_case(
         _jax_profile(fwd_bwd, (q, k, v, offs, extra, g))
 
     runs = {"fwd": (fwd, (q, k, v, offs, extra)), "fwd_bwd": (fwd_bwd, (q, k, v, offs, extra, g))}
-    ms = device_ms(runs, calls, rounds)  # the device's time, from a profiler trace
-    if ms is None:  # no device events (a CPU): the host's clock
-        ms = {name: _host_ms(fn, args, calls, rounds) for name, (fn, args) in runs.items()}
+    ms = time_ms(runs, calls, rounds)  # the device's time (a CPU: the host's clock)
     return ms["fwd"], ms["fwd_bwd"]
-
-
-def _host_ms(fn, args, calls: int, rounds: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        jax.block_until_ready([fn(*args) for _ in range(calls)])
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:

@@ -2,25 +2,20 @@
 (`pallas`: Triton's; `mosaic`: Mosaic GPU's forward, dq and dk/dv), checked against the jnp
 fp32 reference, timed on the device from a profiler trace (`device_time.device_ms`), as the
 torch half times CUDA-graph replays. On a CPU the kernel runs in the Pallas interpreter and is
-timed on the host's clock (`Runner._ms`; timings then meaningless)."""
+timed on the host's clock (`device_time.host_ms`; timings then meaningless)."""
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hstu.bench.attention import Case
-from hstu.jax_backend.device_time import device_ms
+from hstu.jax_backend.device_time import device_ms, host_ms
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 TIME_BUCKETS = 32
 TABLES = ("rab_pos", "rab_time")
-LOOP_MS = 2.0  # what a timed burst of calls aims for
-MAX_CALLS = 64
 DEVICE_CALLS = 10  # calls per traced round (device time: the round's length only averages)
 
 
@@ -106,28 +101,6 @@ class Runner:
             errors[label] = diff / scale if scale > 0 else diff
         return errors
 
-    @staticmethod
-    def _ms(fn, args, warmup: int, repeats: int) -> float:
-        """Time of one call: `n` calls dispatched back to back, then waited for, divided by `n`
-        (chosen so that they take ~2 ms), as `scripts/attention_jagged.py` times. JAX dispatches
-        asynchronously, so where a call's device work outlasts its dispatch (~20-50 us) this is
-        device time; below that the figure is the dispatch's, an upper bound. On a GPU `time`
-        reads the device's own time instead: a short burst also paid the host's wait (on an
-        H200, Mosaic's forward at 16 x 4096 read 1.33 ms here against 1.00 from 10 calls a burst
-        and from the trace). (A loop of calls inside one jitted program, tried, dispatches once,
-        but XLA's GPU while loop reads its condition on the host every iteration: on an H200 it
-        timed 0.2-0.7 ms a call where torch's graph replay timed tens of microseconds.)"""
-
-        def run(n: int) -> float:
-            t0 = time.perf_counter()
-            jax.block_until_ready([fn(*args) for _ in range(n)])
-            return (time.perf_counter() - t0) * 1e3
-
-        for _ in range(max(warmup, 1)):  # the first call compiles
-            one = run(1)
-        n = int(min(MAX_CALLS, max(1, round(LOOP_MS / max(one, 1e-3)))))
-        return statistics.median(run(n) / n for _ in range(repeats))
-
     def time(self, case: Case, warmup: int, repeats: int) -> tuple[float, float, str]:
         qkv, do, arrays, static, tables = self.inputs(case)
         fwd, fwd_bwd = self._fns(self._kernel, static, tuple(tables))
@@ -136,7 +109,10 @@ class Runner:
         try:
             ms = None if self.interpret else device_ms(runs, DEVICE_CALLS, repeats, warmup)
             if ms is None:  # no device events in the trace: the host's clock
-                ms = {name: self._ms(fn, a, warmup, repeats) for name, (fn, a) in runs.items()}
+                ms = {
+                    name: host_ms(fn, a, DEVICE_CALLS, repeats, warmup)
+                    for name, (fn, a) in runs.items()
+                }
         except Exception as exc:  # out of device memory: report the point, go on
             if "RESOURCE_EXHAUSTED" not in str(exc):
                 raise

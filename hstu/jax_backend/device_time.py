@@ -15,6 +15,7 @@ import glob
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import jax
@@ -62,3 +63,30 @@ def device_ms(
         name: statistics.median(busy[f"{RANGE}{name}/{r}"] for r in range(rounds)) / calls / 1e3
         for name in runs
     }
+
+
+def host_ms(fn: Callable, args: tuple, calls: int, rounds: int, warmup: int = 1) -> float:
+    """Host-clock ms of one call `fn(*args)`: `calls` calls dispatched back to back, then one
+    wait, divided by `calls`, median over `rounds`, after `warmup` calls (at least one). JAX
+    dispatches asynchronously, so this is device time only where a call's device work
+    outlasts its dispatch, and each round pays one wait. (A loop of calls inside one jitted
+    program, tried, dispatches once, but XLA's GPU while loop reads its condition on the host
+    every iteration: on an H200 it timed 0.2-0.7 ms a call.)"""
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready([fn(*args) for _ in range(calls)])
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_ms(
+    runs: dict[str, tuple[Callable, tuple]], calls: int, rounds: int, warmup: int = 1
+) -> dict[str, float]:
+    """`device_ms` where the device's time can be read, else `host_ms` of each run."""
+    ms = device_ms(runs, calls, rounds, warmup)
+    if ms is None:
+        ms = {name: host_ms(fn, args, calls, rounds, warmup) for name, (fn, args) in runs.items()}
+    return ms
