@@ -611,3 +611,25 @@ def test_linear_computes_as_dense_with_fp32_parameter_gradients(dtype):
     else:  # nn.Dense's went through bf16: about 2^-9 of each entry off
         assert np.abs(dense_w - want_w).max() > 10 * np.abs(got_w - want_w).max()
 
+
+def test_grad_norm_reduces_small_leaves_together():
+    """`grad_norm` is `optax.tree.norm`'s value, with the leaves under `SMALL_LEAF` elements
+    in one reduction (their optimizer updates are then free of reductions: XLA can merge
+    them into few kernels) and each large leaf in its own."""
+    import optax
+
+    from hstu.jax_backend.train_step import SMALL_LEAF, grad_norm
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "big": jnp.asarray(rng.normal(size=(SMALL_LEAF // 128, 128)), jnp.float32),
+        "layers": [
+            {"bias": jnp.asarray(rng.normal(size=(n,)), jnp.float32), "scale": jnp.ones((n,))}
+            for n in (3, 64, 1000)
+        ],
+    }
+    np.testing.assert_allclose(float(grad_norm(tree)), float(optax.tree.norm(tree)), rtol=1e-6)
+    text = jax.jit(grad_norm).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") == 2  # the large leaf; the six small ones together
+    assert "stablehlo.concatenate" in text
+    assert float(grad_norm({"b": jnp.zeros((4,))})) == 0.0
