@@ -113,6 +113,20 @@ def loss_rows_capacity(
     return 1 << max(int(real) - 1, 0).bit_length()
 
 
+def _pad_distinct(idx: np.ndarray, size: int, bound: int) -> np.ndarray:
+    """`idx` (distinct) padded to `size` with indices of `[0, bound)` it does not hold, each
+    once while there are such, then zeros. The graph reads rows at these indices and its
+    backward adds the rows' gradients back there (`index_select`'s, atomically): padding rows
+    all at row 0 put hundreds of zero adds onto one row, which the atomics serialize."""
+    pad = size - idx.size
+    if pad <= 0:
+        return idx
+    free = np.ones(bound, bool)
+    free[idx] = False
+    spare = np.flatnonzero(free)[:pad]
+    return np.concatenate([idx, spare, np.zeros(pad - spare.size, np.int64)])
+
+
 def host_inputs(
     lengths: dict[str, np.ndarray], capacity: int, loss_rows: int, task: str, loss_tokens: int
 ) -> np.ndarray:
@@ -122,7 +136,8 @@ def host_inputs(
 
     Ranking: `loss_a` is each candidate's token. Retrieval: `loss_a` is each target's query
     token (the action token of event l), `loss_b` the source position of the item it scores
-    (event l + 1). Padding: zeros (tokens and positions that exist; masked by the header)."""
+    (event l + 1). Padding (masked by the header): tokens and positions that exist, each row
+    another one while the capacity has them (`_pad_distinct`), then zeros."""
     c, n, k = (np.asarray(lengths[key], np.int64) for key in ("contextual", "item", "candidate"))
     a = layout_arrays(c, n, k)
     tokens = int(a["offsets"][-1])
@@ -143,8 +158,8 @@ def host_inputs(
             a["offsets"],
             counts,
             inverse,
-            np.pad(loss_a, (0, loss_rows - real)),
-            np.pad(loss_b, (0, loss_rows - loss_b.size)),
+            _pad_distinct(loss_a, loss_rows, capacity),
+            _pad_distinct(loss_b, loss_rows, capacity),
         ]
     )
 

@@ -46,7 +46,11 @@ def test_host_inputs_pad_the_layout_and_count_the_real_rows():
     assert inverse[:3].tolist() == [0, 3, 6] and inverse[13:].tolist() == [13, 14, 15]
     assert sorted(inverse[:13].tolist()) == list(range(13))
     pos_cand = ranking[start + 16 : start + 16 + 64]
-    assert pos_cand[:4].tolist() == [5, 10, 11, 12] and not pos_cand[4:].any()
+    assert pos_cand[:4].tolist() == [5, 10, 11, 12]
+    # padding: the capacity's other tokens once each (no pile-up of gradient adds on one
+    # row), zeros past them
+    assert pos_cand[4:16].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 13, 14, 15]
+    assert not pos_cand[16:].any()
     retrieval = host_inputs(lengths, capacity=16, loss_rows=64, task="retrieval", loss_tokens=1)
     assert retrieval[4] == 1  # one target: sample 0's first event scores its second item
     query, item = retrieval[start + 16], retrieval[start + 16 + 64]
