@@ -303,21 +303,31 @@ def owner_rows(route: dict, g_recv: jax.Array, lay: TableLayout, axis: str):
     return sum_by_row(local, g_recv, lay.rows_per_rank, lay.rows_per_rank, size)
 
 
+def cache_slots(cache_ids: jax.Array, ids: jax.Array, num_rows: int) -> jax.Array:
+    """The cache slot each of `ids` (any shape) reads: its row of `cache_ids`, or
+    `len(cache_ids)` (past the cache) for an id the cache lacks or one out of `[0, num_rows)`.
+    A lookup past the cache reads no slot, so its (zero) gradient adds onto none: tokens
+    another table serves look a table up at `num_rows` (`model.Embeddings`), and all of them
+    adding onto one slot would make T atomic adds onto one row."""
+    size = cache_ids.shape[0]
+    in_range = (ids >= 0) & (ids < num_rows)
+    if _by_map(num_rows, max(size, ids.size)):
+        idx = slot_map(cache_ids, num_rows)[jnp.where(in_range, ids, 0)]
+        found = (idx >= 0) & in_range
+    else:  # one sort of both (the default binary search is a loop of kernels on a GPU)
+        idx = jnp.clip(jnp.searchsorted(cache_ids, ids, method="sort"), 0, size - 1)
+        found = (cache_ids[idx] == ids) & in_range  # never the sentinel's zero row
+    return jnp.where(found, idx, size)
+
+
 def cached_lookup(cache_ids: jax.Array, cache_rows: jax.Array, ids: jax.Array, num_rows: int):
     """Rows of `ids` (any shape) from a rank's cache. An id the cache lacks is capacity padding
     (every real id was fetched): a zero row, masked by the model; an id out of `[0, rows)`
-    reads NaN, as the dense lookup does."""
+    reads NaN, as the dense lookup does. Neither reads a slot (`cache_slots`)."""
     in_range = ((ids >= 0) & (ids < num_rows))[..., None]
-    if _by_map(num_rows, max(cache_ids.shape[0], ids.size)):
-        idx = slot_map(cache_ids, num_rows)[jnp.where(in_range[..., 0], ids, 0)]
-        found = (idx >= 0)[..., None] & in_range
-        idx = jnp.maximum(idx, 0)
-    else:  # one sort of both (the default binary search is a loop of kernels on a GPU)
-        idx = jnp.searchsorted(cache_ids, ids, method="sort")
-        idx = jnp.clip(idx, 0, cache_ids.shape[0] - 1)
-        found = (cache_ids[idx] == ids)[..., None] & in_range  # never the sentinel's zero row
-    miss = jnp.where(in_range, 0.0, jnp.nan).astype(cache_rows.dtype)
-    return jnp.where(found, cache_rows[idx], miss)
+    slot = cache_slots(cache_ids, ids, num_rows)
+    hit = cache_rows.at[slot].get(mode="fill", fill_value=0)
+    return jnp.where(in_range, hit, jnp.asarray(jnp.nan, cache_rows.dtype))
 
 
 # ------------------------------------------------------------------------------ update

@@ -127,19 +127,31 @@ class Embeddings(nn.Module):
     def __call__(
         self, batch: DeviceBatch, lay: dict, tables: dict | None = None
     ) -> tuple[jax.Array, jax.Array]:
-        """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`."""
+        """Token embeddings `[T, D]` (zero in capacity padding) and timestamps `[T]`.
+
+        Each table is looked up at every token, and the tokens another table serves read id
+        `num_rows` (past the table: a row the `where`s below drop, whose gradient is dropped
+        too). Had they read some real id (their zero gradients adding onto it), the tables'
+        gradients would pile T rows of zeros onto a few rows, atomically: the contextual
+        table's took 0.08 ms of a batch-32 step on an H200 so."""
         v = batch.values
-        hist, cand = lay["is_hist"], lay["is_cand"]
+        hist, cand, ctx = lay["is_hist"], lay["is_cand"], lay["is_ctx"]
+        act = lay["is_action"]
+        c = self.cfg
         item_id = jnp.where(
-            hist, _take(v["item"], lay["item_idx"]), _take(v["candidate"], lay["cand_idx"])
+            hist & ~act,
+            _take(v["item"], lay["item_idx"]),
+            jnp.where(cand, _take(v["candidate"], lay["cand_idx"]), c.num_items),
         )
+        act_id = jnp.where(act, _take(v["action"], lay["item_idx"]), c.num_actions)
         ctx_vals = v.get("contextual", jnp.zeros((1,), jnp.int32))
+        ctx_id = jnp.where(ctx, _take(ctx_vals, lay["ctx_idx"]), c.num_contextual_ids)
         e_item = self.lookup("item", item_id, tables)
-        e_act = self.lookup("action", _take(v["action"], lay["item_idx"]), tables)
-        e_ctx = self.lookup("contextual", _take(ctx_vals, lay["ctx_idx"]), tables)
-        x = jnp.where(lay["is_action"][:, None], e_act, e_item)
-        x = jnp.where(lay["is_ctx"][:, None], e_ctx, x)
-        x = jnp.where((hist | cand | lay["is_ctx"])[:, None], x, 0.0)
+        e_act = self.lookup("action", act_id, tables)
+        e_ctx = self.lookup("contextual", ctx_id, tables)
+        x = jnp.where(act[:, None], e_act, e_item)
+        x = jnp.where(ctx[:, None], e_ctx, x)
+        x = jnp.where((hist | cand | ctx)[:, None], x, 0.0)
         ts = jnp.where(
             hist,
             _take(v["item_time"], lay["item_idx"]),

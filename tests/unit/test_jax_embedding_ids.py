@@ -77,6 +77,12 @@ def test_cached_lookup_reads_cached_rows_zero_for_missing_ids_and_nan_out_of_ran
     np.testing.assert_array_equal(got[cached], table[ids[cached]])
     assert (got[in_range & ~cached] == 0).all()
     assert np.isnan(got[~in_range]).all()
+    # a lookup that reads no cached row reads no slot: past the cache, where its gradient
+    # is dropped instead of added (zeros) onto some slot
+    slots = np.asarray(_jit(emb.cache_slots, num_rows=rows)(cache_ids, jnp.asarray(ids)))
+    order = {int(r): i for i, r in enumerate(np.asarray(cache_ids)) if r < rows}
+    np.testing.assert_array_equal(slots[cached], [order[int(i)] for i in ids[cached]])
+    assert (slots[~cached] == cache_ids.shape[0]).all()
 
     # the rows' gradient: each cached row collects the cotangents of its lookups
     cot = rng.normal(size=got.shape).astype(np.float32)

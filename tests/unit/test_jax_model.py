@@ -226,6 +226,48 @@ def test_gradients_into_token_rows_are_scatters_of_distinct_rows(task, sharding)
     assert not all(into_rows), scatters  # the tables' adds: the check tells them apart
 
 
+def test_each_table_is_read_in_range_only_at_the_tokens_it_serves(sharding, monkeypatch):
+    """Every table is looked up at all T tokens; the tokens it does not serve (other tables',
+    capacity padding) read id `num_rows`, past the table, so that their zero gradients are
+    dropped rather than added onto a few rows (T atomic adds onto the contextual table's
+    handful of rows took 0.08 ms of a batch-32 step on an H200)."""
+    from hstu.jax_backend import model as jm
+
+    cfg = _cfg("ranking", "model.attention=reference")
+    model = build_model(cfg.model, cfg.data.max_seqlen)
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    dev = jb.local_view(jb.to_device([host], sharding))
+    seen = {}
+    lookup = jm.Embeddings.lookup
+
+    def spy(self, name, ids, tables):
+        seen[name] = ids
+        return lookup(self, name, ids, tables)
+
+    monkeypatch.setattr(jm.Embeddings, "lookup", spy)
+    _, lay = model.apply(
+        {"params": params_to_flax(init_params(cfg.model, seed=0))},
+        dev,
+        method=lambda m, b: m.stack(b),
+    )
+    lay = {k: np.asarray(v) for k, v in lay.items() if k.startswith("is_")}
+    served = {
+        "item": (lay["is_hist"] & ~lay["is_action"]) | lay["is_cand"],
+        "action": lay["is_action"],
+        "contextual": lay["is_ctx"],
+    }
+    rows = {
+        "item": cfg.model.num_items,
+        "action": cfg.model.num_actions,
+        "contextual": cfg.model.num_contextual_ids,
+    }
+    for name, mask in served.items():
+        ids = np.asarray(seen[name])
+        assert mask.any() and (~mask).any(), name
+        assert ((ids[mask] >= 0) & (ids[mask] < rows[name])).all(), name
+        assert (ids[~mask] == rows[name]).all(), name
+
+
 def test_loss_does_not_depend_on_capacity(sharding):
     cfg = _cfg("ranking")
     params = init_params(cfg.model, seed=1)
