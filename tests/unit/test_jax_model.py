@@ -187,17 +187,22 @@ def test_gradients_are_finite_with_padding(task, sharding):
     assert bad == []
 
 
-@pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_step_program_has_no_device_loops(task, sharding):
-    """The loss and its gradient lower to straight-line XLA: no `while` (a binary search written
-    as a loop runs as a loop of small kernels on a GPU, inside every step). With the reference
-    attention: the Pallas interpreter's own loops are not the step's."""
+def _gradient_program(task, sharding):
+    """`(cfg, device batch, StableHLO text)` of the loss's gradient, reference attention."""
     cfg = _cfg(task, "model.attention=reference")
     model = build_model(cfg.model, cfg.data.max_seqlen)
     host = dataset_from_config(cfg, 1, 0).batch(0)
     dev = jb.local_view(jb.to_device([host], sharding))
     fn = jax.jit(jax.grad(lambda prm: model.apply({"params": prm}, dev, 11.0)[0]))
-    text = fn.lower(params_to_flax(init_params(cfg.model, seed=0))).as_text()
+    return cfg, dev, fn.lower(params_to_flax(init_params(cfg.model, seed=0))).as_text()
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_step_program_has_no_device_loops(task, sharding):
+    """The loss and its gradient lower to straight-line XLA: no `while` (a binary search written
+    as a loop runs as a loop of small kernels on a GPU, inside every step). With the reference
+    attention: the Pallas interpreter's own loops are not the step's."""
+    _, _, text = _gradient_program(task, sharding)
     assert "stablehlo.while" not in text
     assert "stablehlo.dot_general" in text  # the check reads the real program
 
@@ -208,12 +213,7 @@ def test_gradients_into_token_rows_are_scatters_of_distinct_rows(task, sharding)
     gradient into the `[T, D]` stack output is a scatter of plain stores: with repeats
     possible XLA adds atomically, and that bf16 scatter-add took 0.6 ms of a batch-32 step on
     an H200. The tables' gradients (ids that do repeat) stay adds."""
-    cfg = _cfg(task, "model.attention=reference")
-    model = build_model(cfg.model, cfg.data.max_seqlen)
-    host = dataset_from_config(cfg, 1, 0).batch(0)
-    dev = jb.local_view(jb.to_device([host], sharding))
-    fn = jax.jit(jax.grad(lambda prm: model.apply({"params": prm}, dev, 11.0)[0]))
-    text = fn.lower(params_to_flax(init_params(cfg.model, seed=0))).as_text()
+    cfg, dev, text = _gradient_program(task, sharding)
     scatters = []  # (unique_indices, operand type) of every scatter in the program
     for m in re.finditer(r'"stablehlo.scatter"', text):
         rest = text[m.start() :]
