@@ -656,8 +656,8 @@ def test_linear_computes_as_dense_with_fp32_parameter_gradients(dtype):
 
 def test_grad_norm_reduces_small_leaves_together():
     """`grad_norm` is `optax.tree.norm`'s value, with the leaves under `SMALL_LEAF` elements
-    in one reduction (their optimizer updates are then free of reductions: XLA can merge
-    them into few kernels) and each large leaf in its own."""
+    in one reduction (their optimizer updates are then free of reductions, faster kernels)
+    and each large leaf in its own."""
     import optax
 
     from hstu.jax_backend.train_step import SMALL_LEAF, grad_norm
