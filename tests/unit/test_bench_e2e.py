@@ -26,6 +26,7 @@ RUN_FIELDS = {
     "step_mean_ms",
     "tokens_per_s",
     "tflops_per_device",
+    "tflops_overall",
     "mfu",
     "max_memory_gib",
     "imbalance_flops_before",
@@ -359,3 +360,36 @@ def test_breakdown_of_a_step_graph_reports_its_one_device_phase():
     assert "rank 0's step span 8.00 ms, 80% of the median step 10.00" in text
     r["device_ms"]["step"] = float("nan")
     assert "device phases: not measured" in format_breakdown("torch identity -", r)
+
+
+def test_overall_rate_is_the_timed_steps_flops_over_their_time():
+    """`tflops_overall`: the timed steps' FLOPs over their summed time, where
+    `tflops_per_device` is the median step's rate (which step sits in the middle decides it)."""
+    from hstu.bench.e2e import summarize_run
+
+    def row(step, t, tf):
+        return {
+            "step": step,
+            "step_time_s": t,
+            "tokens_per_s": 1e5,
+            "tflops_per_device": tf,
+            "imbalance_before": 1.0,
+            "imbalance_after": 1.0,
+            "balancer_s": 0.0,
+            "exposed_balancer_s": 0.0,
+            "padding_waste": 0.0,
+            "num_compiles": 1,
+            "loss": 1.0,
+            "host_s": dict.fromkeys(HOST_PHASES, t / len(HOST_PHASES)),
+        }
+
+    # two warm-up steps (left out), then short slow steps and long fast ones
+    times = [1.0, 1.0, 0.004, 0.004, 0.004, 0.030, 0.030]
+    rates = [1.0, 1.0, 100.0, 100.0, 100.0, 300.0, 300.0]
+    out = summarize_run(
+        [[row(i, t, f) for i, (t, f) in enumerate(zip(times, rates, strict=True))]], 1
+    )
+    assert out["steps_timed"] == 5
+    assert out["tflops_per_device"] == pytest.approx(100.0)
+    want = (3 * 0.004 * 100 + 2 * 0.030 * 300) / (3 * 0.004 + 2 * 0.030)
+    assert out["tflops_overall"] == pytest.approx(want)
