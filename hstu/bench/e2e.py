@@ -96,7 +96,7 @@ def summarize_run(runs: list[list[dict]], world: int) -> dict:
         "tokens_per_s": _med(r["tokens_per_s"] for r in use),
         "tflops_per_device": _med(r["tflops_per_device"] for r in use),
         # every timed step's FLOPs over their time: the steps' lengths vary ~6x, and the
-        # median step's rate moves with whichever step lands in the middle (up to 5 % between
+        # median step's rate moves with whichever step lands in the middle (3 % between
         # two runs of one tree on an H200), where the total averages over all of them
         "tflops_overall": sum(r["tflops_per_device"] * r["step_time_s"] for r in use)
         / max(sum(step), 1e-12),
