@@ -2,7 +2,7 @@
 (`pallas`: Triton's; `mosaic`: Mosaic GPU's forward, dq and dk/dv), checked against the jnp
 fp32 reference, timed on the device from a profiler trace (`device_time.device_ms`), as the
 torch half times CUDA-graph replays. On a CPU the kernel runs in the Pallas interpreter and is
-timed on the host's clock (`device_time.host_ms`; timings then meaningless)."""
+timed on the host's clock (`device_time.time_ms`; timings then meaningless)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hstu.bench.attention import Case
-from hstu.jax_backend.device_time import device_ms, host_ms
+from hstu.jax_backend.device_time import time_ms
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 TIME_BUCKETS = 32
@@ -107,12 +107,7 @@ class Runner:
         args = (*qkv, arrays, *tables.values())
         runs = {"fwd": (fwd, args), "fwd_bwd": (fwd_bwd, (*args, do))}
         try:
-            ms = None if self.interpret else device_ms(runs, DEVICE_CALLS, repeats, warmup)
-            if ms is None:  # no device events in the trace: the host's clock
-                ms = {
-                    name: host_ms(fn, a, DEVICE_CALLS, repeats, warmup)
-                    for name, (fn, a) in runs.items()
-                }
+            ms = time_ms(runs, DEVICE_CALLS, repeats, warmup, trace=not self.interpret)
         except Exception as exc:  # out of device memory: report the point, go on
             if "RESOURCE_EXHAUSTED" not in str(exc):
                 raise

@@ -83,10 +83,15 @@ def host_ms(fn: Callable, args: tuple, calls: int, rounds: int, warmup: int = 1)
 
 
 def time_ms(
-    runs: dict[str, tuple[Callable, tuple]], calls: int, rounds: int, warmup: int = 1
+    runs: dict[str, tuple[Callable, tuple]],
+    calls: int,
+    rounds: int,
+    warmup: int = 1,
+    trace: bool = True,
 ) -> dict[str, float]:
-    """`device_ms` where the device's time can be read, else `host_ms` of each run."""
-    ms = device_ms(runs, calls, rounds, warmup)
+    """`device_ms` where the device's time can be read, else `host_ms` of each run; `trace`
+    False: the host's clock without trying (interpreted kernels, whose trace is all host)."""
+    ms = device_ms(runs, calls, rounds, warmup) if trace else None
     if ms is None:
         ms = {name: host_ms(fn, args, calls, rounds, warmup) for name, (fn, args) in runs.items()}
     return ms
