@@ -3,8 +3,6 @@
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
         [--profile [CASE ...]]       (per-kernel device time of those cases; none named: all)
         [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
-        [--consumers 1|2]            (jax, mosaic: consumer warp groups of the forward and
-                                      dq CTAs; default the kernels' tiles)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
@@ -168,23 +166,11 @@ def _jax_profile(fn, args, calls: int = 5) -> None:
 
 
 def _jax_case(
-    lengths,
-    cand,
-    ctx,
-    max_seqlen,
-    heads,
-    dim,
-    calls,
-    rounds,
-    lowering="triton",
-    profile=False,
-    consumers=None,
+    lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False
 ):
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
-    from hstu_kernels.pallas import _mosaic, hstu_attention
+    from hstu_kernels.pallas import hstu_attention
 
     from hstu.jax_backend.device_time import time_ms
 
@@ -201,18 +187,8 @@ def _jax_case(
 
     # the batch's arrays and dO are arguments, as in a training step: closed over, XLA folds
     # the kernels' schedule (and dO's padding) into the program at compile time
-    if consumers:  # the forward's and dq's tiles with that many consumer warp groups
-        extra_static = {
-            "mosaic_tiles": tuple(
-                dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), consumers=consumers)
-                for kind in _mosaic.KINDS[:2]
-            )
-        }
-    else:
-        extra_static = {}
-
     def attn(q, k, v, offs, extra):
-        return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering, **extra_static)
+        return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering)
 
     def attn_and_grads(q, k, v, offs, extra, g):
         # the output is returned too: the backward does not read it, and a program that
@@ -249,8 +225,6 @@ def main(argv=None) -> None:
                     help="per-kernel device time of these cases (none named: all)")  # fmt: skip
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
-    ap.add_argument("--consumers", type=int, choices=[1, 2], default=None,
-                    help="jax, mosaic: consumer warp groups of the forward / dq CTAs")  # fmt: skip
     ap.add_argument("--backward", choices=["split", "fused"], default=None,
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     ap.add_argument("--tiles", nargs="*", default=[],
@@ -258,8 +232,6 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     tiles = _parse_tiles(args.tiles)
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
-    if args.backend == "jax" and args.consumers:
-        fwd_name += f", {args.consumers} consumer warp group(s)"
     if args.backend == "torch" and args.backward:
         fwd_name = f", {args.backward} backward"
     if args.backend == "torch" and tiles:
@@ -274,9 +246,7 @@ def main(argv=None) -> None:
         if args.backend == "torch":
             f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles)
         else:
-            f_ms, fb_ms = _jax_case(
-                *shape, args.calls, args.rounds, args.lowering, profile, args.consumers
-            )
+            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip

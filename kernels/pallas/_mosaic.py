@@ -85,20 +85,13 @@ class MosaicTiles:
     """Tiling of one Mosaic GPU kernel: ``block_q`` rows of a consumer warp group's matmuls
     (64: one wgmma row block; query rows, or key rows for dk / dv), ``block_kv`` rows per
     streamed tile (key rows, or query rows for dk / dv; a multiple of 32, where 32 puts the
-    shared buffers on a 64-byte swizzle), ``stages`` streamed slots (>= 2) and, forward and
-    dq, ``consumers``: the consumer warp groups of a CTA, each on its own ``block_q`` query
-    rows of the CTA's block (2: a block of 128 rows, the warp groups taking turns on the
-    tensor cores; 1: a block of 64 rows, a CTA half the size, for batches of short samples).
-    dk / dv always runs two (one for dv, one for dk)."""
+    shared buffers on a 64-byte swizzle) and ``stages`` streamed slots (>= 2)."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
-    consumers: int = 2
 
     def __post_init__(self):
-        if self.consumers not in (1, 2):
-            raise ValueError(f"MosaicTiles.consumers: expected 1 or 2, got {self.consumers!r}")
         if self.block_q != 64:
             raise ValueError(f"MosaicTiles.block_q: must be 64, got {self.block_q!r}")
         if not isinstance(self.block_kv, int) or self.block_kv < 32 or self.block_kv % 32:
@@ -125,7 +118,7 @@ def smem_bytes(kind: str, tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int
     d_out = d_v if kind == "fwd" else d_qk
     per_rows = d_qk + (d_out if d_out != d_qk else 0) + (d_v if kind == "dq" else 0)
     kv = tiles.stages * tiles.block_kv * (d_qk + d_v)
-    return (tiles.consumers * tiles.block_q * per_rows + kv) * itemsize
+    return (2 * tiles.block_q * per_rows + kv) * itemsize
 
 
 def default_tiles(kind: str, d_qk: int, d_v: int) -> MosaicTiles:
@@ -147,8 +140,6 @@ def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
         if d % 64 or not 64 <= d <= 256:
             return f"{name}={d} (a multiple of 64 up to 256)"
     for kind, t in zip(KINDS, full_tiles(tiles, d_qk, d_v), strict=True):
-        if kind == "dkdv" and t.consumers != 2:
-            return f"dkdv tiles {t}: dk / dv runs two consumer warp groups (consumers=2)"
         if smem_bytes(kind, t, d_qk, d_v) > _SMEM_BYTES:
             return f"{kind} tiles {t} need {smem_bytes(kind, t, d_qk, d_v)} bytes of shared memory"
     if plgpu is None or InterpretGPUParams is None:
@@ -183,11 +174,9 @@ def _key_steps(qs, bq: int, bk: int, n, c, hist):
 
 
 def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
-    """One CTA: ``consumers x block_q`` query rows of one sample and head (``kind`` "fwd": the
-    attention output; "dq": the query gradient, ``refs`` then also hold dO). Warp groups
-    ``0 .. consumers - 1`` consume, warp group ``consumers`` produces; with one consumer
-    there are no turns to take."""
-    bq, bk, stages, nc = tiles.block_q, tiles.block_kv, tiles.stages, tiles.consumers
+    """One CTA: ``2 x block_q`` query rows of one sample and head (``kind`` "fwd": the
+    attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
+    bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     if kind == "fwd":
         q_ref, k_ref, v_ref, o_ref, scoped = refs
         do_ref = None
@@ -209,9 +198,9 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
     # (row i of the frame is the sample's i - dead); context only where the sample has some.
     n, hist = n + dead, hist + dead
     c = jnp.where(c > 0, c + dead, 0)
-    q0 = blk * (nc * bq)
+    q0 = blk * (2 * bq)
     steps0 = _key_steps(q0, bq, bk, n, c, hist)
-    steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist) if nc == 2 else steps0
+    steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist)
     cta_steps = jnp.maximum(steps0, steps1)
 
     def iota(dim):  # jax 0.10's interpreter has no layout casts
@@ -220,16 +209,8 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)
 
     def take_turn():
-        turn_arrive()
-        turn_wait()
-
-    def turn_arrive():
-        if nc == 2:
-            plgpu.barrier_arrive(turn)
-
-    def turn_wait():
-        if nc == 2:
-            plgpu.barrier_wait(turn)
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
     def matmul(s_ref, a, b):
         plgpu.wgmma(s_ref, a, b)
@@ -248,10 +229,9 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(free)
 
-    @pl.when(wg < nc)
+    @pl.when(wg < 2)
     def _consumer():
-        if nc == 2:  # one consumer keeps the launch's share
-            plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(232, action="increase")
         q_smem = q_smem2.at[wg]
         qs = q0 + wg * bq
         steps = jnp.where(wg == 0, steps0, steps1)
@@ -261,8 +241,7 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem2.at[wg], do_full.at[wg])
             plgpu.barrier_wait(do_full.at[wg])
         plgpu.barrier_wait(q_full.at[wg])
-        if nc == 2:
-            pl.when(wg == 1)(take_turn)
+        pl.when(wg == 1)(take_turn)
         # Key tiles below min(qs, hist) are attended by every row: no mask there, but for the
         # first tile where it holds dead rows.
         first = jnp.minimum(jnp.where(dead > 0, 1, 0), steps)
@@ -290,9 +269,9 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             if masked:
                 p = jnp.where(keep(kv), p, 0.0)
             p16 = p.astype(dtype)
-            turn_arrive()  # done with the elementwise work
+            plgpu.barrier_arrive(turn)  # done with the elementwise work
             plgpu.barrier_wait(v_full.at[slot])
-            turn_wait()  # the tensor cores are ours
+            plgpu.barrier_wait(turn)  # the tensor cores are ours
             accumulate(p16, v_smem.at[slot], acc_ref, kv, v_free.at[slot], steps)
 
         def dq_step(acc_ref, kv, slot, masked):
@@ -315,7 +294,8 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             if masked:
                 ds = jnp.where(keep(kv), ds, 0.0)
             ds16 = ds.astype(dtype)
-            take_turn()
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
             accumulate(ds16, k_smem.at[slot], acc_ref, kv, k_free.at[slot], steps)
 
         step = fwd_step if kind == "fwd" else dq_step
@@ -354,18 +334,16 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         acc = pl.run_scoped(run, plgpu.ACC((bq, d_out), jnp.float32))
         if kind == "dq":
             acc = acc * jnp.float32(alpha)
-        if nc == 2:
-            pl.when(wg == 0)(take_turn)
+        pl.when(wg == 0)(take_turn)
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # TMA needs it contiguous
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * nc * bq + wg * bq, bq), h])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * 2 * bq + wg * bq, bq), h])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == nc)
+    @pl.when(wg == 2)
     def _producer():
-        if nc == 2:
-            plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(40, action="decrease")
 
         def fetch(kv, slot):
             rows = pl.ds(start + kv * bk, bk)
@@ -558,8 +536,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     d_v = v.shape[-1]
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     key_major = kind == "dkdv"
-    nc = 2 if key_major else tiles.consumers  # consumer warp groups
-    block = bq if key_major else nc * bq  # rows a CTA owns: its keys, or its query blocks
+    block = bq if key_major else 2 * bq  # rows a CTA owns: its keys, or two query blocks
     bsz = offs.shape[0] - 1
     # TMA reads global memory in the shared tiles' (8, 64) tiling, so a tile must start on a
     # multiple of 8 rows: each sample is seen from the multiple of 8 at or before its start,
@@ -615,22 +592,22 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     else:
         d_out = d_v if kind == "fwd" else d_qk
         buffers = [
-            smem((nc, bq, d_qk), q.dtype),
+            smem((2, bq, d_qk), q.dtype),
             smem((stages, bk, d_qk), q.dtype),
             smem((stages, bk, d_v), q.dtype),
             t_buf,
-            smem((nc, bq, d_out), q.dtype) if d_out != d_qk else None,
+            smem((2, bq, d_out), q.dtype) if d_out != d_qk else None,
         ]
         barriers = [
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=nc),
+            plgpu.Barrier(num_barriers=2),
         ]
         if kind == "dq":
-            buffers.append(smem((nc, bq, d_v), q.dtype))
-            barriers.append(plgpu.Barrier(num_barriers=nc))
-        rest = ((plgpu.Barrier(num_arrivals=nc, num_barriers=stages),) * 2,)
-        rest += (plgpu.Barrier(num_arrivals=2),)  # the turn (unused with one consumer)
+            buffers.append(smem((2, bq, d_v), q.dtype))
+            barriers.append(plgpu.Barrier(num_barriers=2))
+        rest = ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,)
+        rest += (plgpu.Barrier(num_arrivals=2),)
         body = functools.partial(
             _query_kernel, kind=kind, tiles=tiles, alpha=alpha, normalizer=normalizer
         )
@@ -650,7 +627,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         out_type=out_type,
         grid=(heads, num),
         grid_names=("heads", "pairs"),
-        num_threads=nc + 1,
+        num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup

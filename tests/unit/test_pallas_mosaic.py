@@ -18,7 +18,6 @@ callbacks: it needs at least 4 host devices' threads (``make test-mosaic`` sets 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np
@@ -77,12 +76,12 @@ def _reference(q, k, v, offs, **kw):
     return hstu_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), offs, **kw)
 
 
-def _lowered_for_cuda(kind: str, q, k, v, offs, kw, tiles=None) -> str:
-    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``; default tiles unless
-    given), lowered for CUDA."""
+def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
+    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, default tiles), lowered
+    for CUDA."""
     kw = dict(kw)
     ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
-    tiles = tiles or _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
+    tiles = _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
 
     def f(q, k, v, offs, ctx, cand):
         if kind == "fwd":
@@ -102,8 +101,6 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw, tiles=None) -> str:
         (64, 64, None),
         (32, 48, (MosaicTiles(block_kv=128, stages=3), MosaicTiles(block_kv=32))),  # padded
         (256, 128, None),  # the dq kernel takes 32-row key tiles here (shared memory)
-        # one consumer warp group per CTA, 64-row query blocks (forward and dq)
-        (64, 64, (MosaicTiles(consumers=1), MosaicTiles(block_kv=32, consumers=1))),
     ],
 )
 def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
@@ -140,20 +137,6 @@ def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("dim", [64, 128, 256])
-@pytest.mark.parametrize("kind", ["fwd", "dq"])
-def test_one_consumer_kernels_lower_for_cuda(kind, dim):
-    """Forward and dq with one consumer warp group (64-row query blocks, two warp groups a
-    CTA): within shared memory at every head dim, with the dq kernel's 32-row key tiles at
-    256 as with two."""
-    tiles = dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), consumers=1)
-    assert _mosaic.smem_bytes(kind, tiles, dim, dim) < _mosaic.smem_bytes(
-        kind, dataclasses.replace(tiles, consumers=2), dim, dim
-    )
-    assert "mosaic_gpu" in _lowered_for_cuda(kind, *_inputs(dim, dim, heads=4), tiles=tiles)
-
-
-@needs_mosaic
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 def test_the_kernels_read_the_callers_rows_in_place(kind):
     """No copy of q, k, v (dO) before the kernel, though most samples start off a multiple of
@@ -184,8 +167,6 @@ def test_bad_lowering_choices_are_named():
         hstu_attention(*f32, offs, **kw, lowering="mosaic", interpret=True)
     with pytest.raises(ValueError, match="MosaicTiles.block_kv"):
         MosaicTiles(block_kv=48)
-    with pytest.raises(ValueError, match="MosaicTiles.consumers: expected 1 or 2, got 3"):
-        MosaicTiles(consumers=3)
 
 
 def test_supports_names_each_limit():
@@ -207,21 +188,15 @@ def test_supports_names_each_limit():
     assert why is None or "tiles" not in why, why
     wide = (*ok, MosaicTiles(block_kv=128))
     assert "dkdv tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, wide)
-    one = (*ok, MosaicTiles(consumers=1))  # dk / dv runs one consumer for dv, one for dk
-    assert "consumers=2" in _mosaic.supports(jnp.bfloat16, 256, 256, False, one)
     with pytest.raises(ValueError, match="one per kernel"):
         _mosaic.full_tiles(ok[:1], 256, 256)
 
 
 @pytest.mark.gpu
 @needs_mosaic
-@pytest.mark.parametrize("consumers", [2, 1])
 @pytest.mark.parametrize("dim", [64, 128, 256])
-def test_compiled_kernels_match_the_reference(dim, consumers):
-    tiles = tuple(
-        dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), consumers=consumers)
-        for kind in _mosaic.KINDS[:2]
-    )
+def test_compiled_kernels_match_the_reference(dim):
+    tiles = tuple(_mosaic.default_tiles(kind, dim, dim) for kind in _mosaic.KINDS)
     if mosaic_problem(jnp.bfloat16, dim, dim, False, tiles, False):
         pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(dim)
@@ -243,11 +218,7 @@ def test_compiled_kernels_match_the_reference(dim, consumers):
 
     # alpha, max_seqlen and normalizer are static: bound here, not passed through the jit
     out, grads = run(
-        jax.jit(
-            lambda q, k, v: hstu_attention(
-                q, k, v, offs, **kw, lowering="mosaic", mosaic_tiles=tiles
-            )
-        )
+        jax.jit(lambda q, k, v: hstu_attention(q, k, v, offs, **kw, lowering="mosaic"))
     )
     want, want_grads = run(lambda q, k, v: _reference(q, k, v, offs, **kw))
     assert _rel_err(out, want) < 1e-2
