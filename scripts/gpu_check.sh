@@ -84,7 +84,8 @@ print('torchrec', torchrec.__version__)" ;;
     kernels)
       run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py \
         tests/unit/test_triton_layer_norm.py
-      run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py ;;
+      run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py \
+        tests/unit/test_pallas_silu_bwd.py ;;
     model)
       # the torch model's GPU tests: fused norms and elementwise kernels, the TF32 head, the
       # bf16 linears' fp32 weight gradients, the stack and step graphs (captured), against

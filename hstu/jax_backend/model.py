@@ -11,6 +11,8 @@ Flax's `layers_<i>` is the core's `layers.<i>`. Training initialises from
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 
 import flax.linen as nn
@@ -188,6 +190,37 @@ def _linear_bwd(res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+def _silu_kernel():
+    return importlib.import_module("hstu_kernels.pallas.silu_bwd")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear_silu_split(x, kernel, bias, sizes: tuple[int, ...], interpret: bool):
+    """`silu(x @ kernel + bias)` split into column blocks of `sizes`: `_linear`, `nn.silu` and
+    `jnp.split`'s values, with one backward kernel for SiLU's gradient and the bias's
+    (`hstu_kernels.pallas.silu_bwd`, as torch's `linear_silu` runs it): autodiff's backward
+    reads the `[T, N]` gradient once more for the bias (0.21 ms of a batch-32 bench_upstream
+    step on an H200). In fp32 as that kernel computes it, the bias gradient from the unrounded
+    SiLU gradient; the GEMMs as `_linear`'s."""
+    return _linear_silu_split_fwd(x, kernel, bias, sizes, interpret)[0]
+
+
+def _linear_silu_split_fwd(x, kernel, bias, sizes, interpret):
+    pre, (x, w) = _linear_fwd(x, kernel, bias)
+    ends = np.cumsum(sizes)[:-1].tolist()
+    return tuple(jnp.split(nn.silu(pre), ends, axis=-1)), (x, w, pre)
+
+
+def _linear_silu_split_bwd(sizes, interpret, res, grads):
+    x, w, pre = res
+    dpre, dbias = _silu_kernel().silu_backward(grads, pre, interpret=interpret)
+    dx, dw, _ = _linear_bwd((x, w), dpre)
+    return dx, dw, dbias
+
+
+_linear_silu_split.defvjp(_linear_silu_split_fwd, _linear_silu_split_bwd)
+
+
 class Linear(nn.Module):
     """`x @ kernel + bias` in `dtype` with fp32 parameters, as `nn.Dense(dtype=...)` computes
     it (same parameters, same forward), but the parameters' gradients come out of the GEMM
@@ -197,9 +230,13 @@ class Linear(nn.Module):
     features: int
     dtype: jnp.dtype
     kernel_init: nn.initializers.Initializer = nn.initializers.glorot_uniform()
+    # set: `silu(x @ kernel + bias)` split into column blocks of these sizes, its backward one
+    # kernel (`_linear_silu_split`; `silu_interpret`: in the Pallas interpreter)
+    silu_split: tuple[int, ...] | None = None
+    silu_interpret: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array):
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
         # under shard_map's type check the parameters (replicated) enter as varying like `x`:
@@ -208,12 +245,17 @@ class Linear(nn.Module):
         vary = tuple(sorted(_varying(x) - _varying(kernel)))
         if vary:
             kernel, bias = (jax.lax.pcast(p, vary, to="varying") for p in (kernel, bias))
+        if self.silu_split is not None:
+            return _linear_silu_split(
+                x.astype(self.dtype), kernel, bias, self.silu_split, self.silu_interpret
+            )
         return _linear(x.astype(self.dtype), kernel, bias)
 
 
 class HSTULayer(nn.Module):
     cfg: ModelConfig
     attn: AttentionConfig
+    silu_kernel: str | None = None  # HSTUModel's
 
     @nn.compact
     def __call__(self, x, lay: dict, timestamps, deterministic: bool = True):
@@ -222,8 +264,15 @@ class HSTULayer(nn.Module):
         t = x.shape[0]
         glorot = nn.initializers.glorot_uniform()
         y = _norm("input_norm")(x)
-        uvqk = nn.silu(Linear(h * (2 * dv + 2 * dqk), dtype, kernel_init=glorot, name="uvqk")(y))
-        u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
+        sizes = (h * dv, h * dv, h * dqk, h * dqk)
+        width = sum(sizes)
+        if self.silu_kernel and _silu_kernel().supports(sizes, t) is None:
+            interpret = self.silu_kernel == "interpret"
+            uvqk = Linear(width, dtype, glorot, sizes, interpret, name="uvqk")
+            u, v, q, k = uvqk(y)
+        else:
+            uvqk = nn.silu(Linear(width, dtype, kernel_init=glorot, name="uvqk")(y))
+            u, v, q, k = jnp.split(uvqk, np.cumsum(sizes)[:-1].tolist(), axis=-1)
         bias_init = nn.initializers.normal(0.02)
         rab_pos = (
             self.param("rab_position", bias_init, (h, c.rab_position_buckets))
@@ -277,10 +326,15 @@ class HSTUModel(nn.Module):
     cfg: ModelConfig
     attn: AttentionConfig
     external_tables: bool = False
+    # the uvqk projection's SiLU and bias gradients in one Pallas kernel (`model.fused_silu`
+    # on a GPU): "compiled", "interpret" (the Pallas interpreter: tests) or None (autodiff)
+    silu_kernel: str | None = None
 
     def setup(self):
         self.embedding = Embeddings(self.cfg, self.external_tables)
-        self.layers = [HSTULayer(self.cfg, self.attn) for _ in range(self.cfg.num_layers)]
+        self.layers = [
+            HSTULayer(self.cfg, self.attn, self.silu_kernel) for _ in range(self.cfg.num_layers)
+        ]
         self.final_norm = _norm(None)
         if self.cfg.task == "ranking":
             self.head = RankingHead(self.cfg)
@@ -402,7 +456,18 @@ def build_model(
     max_seqlen: int,
     interpret: bool | None = None,
     external_tables: bool = False,
+    silu_kernel: str | None = "auto",
 ) -> HSTUModel:
+    """`silu_kernel`: "auto" runs the uvqk SiLU's backward kernel (`HSTUModel.silu_kernel`)
+    where `model.fused_silu` asks for it and the model runs compiled (`interpret` False, or
+    None on a GPU backend), as torch runs its own on CUDA; or "compiled", "interpret", None."""
+    if silu_kernel == "auto":  # as `interpret` says (the caller's devices), else jax's backend
+        gpu = not interpret if interpret is not None else jax.default_backend() == "gpu"
+        silu_kernel = "compiled" if cfg.fused_silu and gpu else None
+    if silu_kernel not in (None, "compiled", "interpret"):
+        raise ValueError(
+            f"silu_kernel: expected auto, compiled, interpret or None, got {silu_kernel!r}"
+        )
     attn = AttentionConfig(
         cfg.attention_impl("jax"),
         max_seqlen,
@@ -411,7 +476,7 @@ def build_model(
         interpret,
         cfg.pallas_lowering,
     )
-    return HSTUModel(cfg, attn, external_tables)
+    return HSTUModel(cfg, attn, external_tables, silu_kernel)
 
 
 _LAYER = re.compile(r"^layers_(\d+)$")

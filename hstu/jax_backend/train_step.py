@@ -67,6 +67,12 @@ __all__ = [
 ]
 
 
+def _vma_checked(model: HSTUModel) -> bool:
+    """Whether shard_map may check varying-axes types: pallas_call outputs carry none, so a
+    model running a Pallas kernel (attention, the uvqk SiLU's backward) runs unchecked."""
+    return model.attn.impl == "reference" and model.silu_kernel is None
+
+
 def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
     """`(params, batch, global_loss_tokens, rng) -> (loss, aux)`: global, over all ranks.
 
@@ -84,14 +90,14 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
         )
         return jax.lax.psum((loss, aux), col.DATA_AXIS)
 
-    # pallas_call outputs carry no varying-axes type, so the kernel runs unchecked; the
-    # gradient of the replicated params is the psum of per-rank gradients either way.
+    # unchecked with a Pallas kernel (`_vma_checked`); the gradient of the replicated params
+    # is the psum of per-rank gradients either way.
     return col.shard_map(
         per_rank,
         mesh=mesh,
         in_specs=(P(), P(col.DATA_AXIS), P(), P()),
         out_specs=(P(), P()),
-        check=model.attn.impl == "reference",
+        check=_vma_checked(model),
     )
 
 
@@ -123,7 +129,7 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
         mesh=mesh,
         in_specs=(P(), P(col.DATA_AXIS), P(), P(col.DATA_AXIS), P(), P()),
         out_specs=(P(), P()),
-        check=model.attn.impl == "reference",
+        check=_vma_checked(model),
     )
     world = mesh.devices.size
 
@@ -284,7 +290,7 @@ def make_sharded_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Ca
         mesh=mesh,
         in_specs=(P(), ranks, ranks, ranks, P(), P()),
         out_specs=(P(), P()),
-        check=model.attn.impl == "reference",
+        check=_vma_checked(model),
     )
 
 

@@ -187,6 +187,51 @@ def test_gradients_are_finite_with_padding(task, sharding):
     assert bad == []
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_uvqk_silu_kernel_matches_autodiff(dtype, sharding):
+    """`model.fused_silu`'s kernel (the uvqk SiLU's and bias's gradients in one Pallas kernel,
+    interpreted here) gives autodiff's loss and gradients: fp32 to rounding, bf16 within its
+    rounding (the kernel computes in fp32 and rounds once). The layer needs column blocks of
+    multiples of 64: 2 heads x 32."""
+    cfg = _cfg("ranking", f"model.dtype={dtype}", "model.attention_dim=32", "model.linear_dim=32")
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    dev = jb.local_view(jb.to_device([host], sharding))
+    params = params_to_flax(init_params(cfg.model, seed=0))
+
+    def run(silu_kernel):
+        model = build_model(cfg.model, cfg.data.max_seqlen, silu_kernel=silu_kernel)
+        assert model.silu_kernel == silu_kernel
+        fn = jax.value_and_grad(lambda prm: model.apply({"params": prm}, dev, 11.0)[0])
+        loss, grads = jax.jit(fn)(params)
+        return float(loss), flax_to_params(grads)
+
+    loss, grads = run("interpret")
+    want_loss, want = run(None)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(loss, want_loss, rtol=tol)
+    assert grads.keys() == want.keys()
+    for name, g in grads.items():
+        w = want[name]
+        scale = max(float(np.abs(w).max()), 1e-6)
+        assert float(np.abs(g - w).max()) <= tol * scale, name
+    assert float(np.abs(grads["layers.0.uvqk.bias"]).max()) > 0  # the check reads real values
+
+
+def test_silu_kernel_choice():
+    """ "auto" runs the kernel where `model.fused_silu` asks for it on a GPU only (this machine:
+    autodiff); the layer falls back to autodiff where its column blocks do not fit the
+    kernel's tiles; anything else is refused."""
+    cfg = _cfg("ranking")
+    assert build_model(cfg.model, cfg.data.max_seqlen).silu_kernel is None
+    assert build_model(cfg.model, 8, silu_kernel="compiled").silu_kernel == "compiled"
+    with pytest.raises(ValueError, match="silu_kernel: expected auto, compiled, interpret"):
+        build_model(cfg.model, 8, silu_kernel="triton")
+    from hstu_kernels.pallas.silu_bwd import supports
+
+    m = cfg.model  # SMALL: 2 heads x 8 columns, below the kernel's 64-column blocks
+    assert supports((m.num_heads * m.linear_dim,) * 4, 16) is not None
+
+
 def _gradient_program(task, sharding):
     """`(cfg, device batch, StableHLO text)` of the loss's gradient, reference attention."""
     cfg = _cfg(task, "model.attention=reference")
@@ -402,6 +447,32 @@ def test_step_takes_the_placed_loss_tokens_unchanged():
             losses[name].append(float(metrics["loss"]))
     assert losses["placed"] == losses["host"] and len(set(losses["placed"])) == 2
     assert placed.step_fn._cache_size() == 1
+
+
+@pytest.mark.slow  # ~20 s: two steps of two models compiled
+def test_steps_with_the_silu_kernel_train_as_autodiffs():
+    """The training step (shard_map, varying-axes checks off once a Pallas kernel runs: its
+    outputs carry no such type) with the uvqk SiLU's backward kernel, interpreted: the same
+    losses as autodiff's step over two steps, fp32."""
+    cfg = _cfg("ranking", "model.dtype=float32", "model.attention_dim=32", "model.linear_dim=32",
+               "model.attention=reference", "data.num_samples=8")  # fmt: skip
+    ds = dataset_from_config(cfg, 1, 0)
+    losses = {}
+    for silu_kernel in (None, "interpret"):
+        mesh = col.make_mesh(jax.devices()[:1])
+        model = build_model(cfg.model, cfg.data.max_seqlen, silu_kernel=silu_kernel)
+        opt = make_optimizer(cfg.train)
+        state = init_state(init_params(cfg.model, seed=0), opt, mesh, cfg.train.seed)
+        backend = JaxBackend(
+            JaxShuffler(mesh), make_train_step(model, opt, mesh), state, model, opt
+        )
+        losses[silu_kernel] = []
+        for i in range(2):
+            p, count = _placed(backend, cfg, [ds.batch(i)])
+            metrics, _ = backend.forward_backward(p, count)
+            losses[silu_kernel].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["interpret"], losses[None], rtol=1e-5)
+    assert losses[None][0] != losses[None][1]
 
 
 def test_a_mismatching_loss_token_count_raises():
