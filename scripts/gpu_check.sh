@@ -124,7 +124,9 @@ print('torchrec', torchrec.__version__)" ;;
       # $AB_TREES (several such trees, space-separated) in place of $AB_TREE: each in turn, then
       # this tree (logs tab_t<i>_b<B>_<round>, this tree as tab_after_...); $AB_ARGS: overrides
       # for every tree (dist.world_size=4: that many GPUs); $AB_EXCHANGES: the balanced runs'
-      # exchanges; $AB_PROBE_EVERY: steps between probes (then the device breakdown too)
+      # exchanges; $AB_PROBE_EVERY: steps between probes (then the device breakdown too).
+      # Then each tree against this one over the same steps (scripts/ab_paired.py), the
+      # figure to read: the table's medians fall on different steps
       read -r -a trees <<< "${AB_TREES:-${AB_TREE:-}}"
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
@@ -144,6 +146,15 @@ print('torchrec', torchrec.__version__)" ;;
               --steps 30 --probe-every ${AB_PROBE_EVERY:-0} $([ "${AB_PROBE_EVERY:-0}" = 0 ] || echo --breakdown) \
               --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
+        done
+      done
+      # each tree against this one over the same steps, round by round (scripts/ab_paired.py)
+      for b in ${AB_BATCHES:-8 32}; do
+        for i in $(seq 0 $((${#trees[@]} - 1))); do
+          side=t$i; [ -z "${AB_TREES:-}" ] && side=before
+          run "tab_paired_${side}_b$b" python scripts/ab_paired.py \
+            --before $(for r in $(seq ${AB_ROUNDS:-2}); do echo /tmp/tab_${side}_b${b}_$r; done) \
+            --after $(for r in $(seq ${AB_ROUNDS:-2}); do echo /tmp/tab_after_b${b}_$r; done)
         done
       done ;;
     overrides)

@@ -3,7 +3,9 @@ simulation runs and agrees with what the runs measured."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -393,3 +395,48 @@ def test_overall_rate_is_the_timed_steps_flops_over_their_time():
     assert out["tflops_per_device"] == pytest.approx(100.0)
     want = (3 * 0.004 * 100 + 2 * 0.030 * 300) / (3 * 0.004 + 2 * 0.030)
     assert out["tflops_overall"] == pytest.approx(want)
+
+
+# ------------------------------------------------------------------ scripts/ab_paired.py
+def _ab_paired():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ab_paired.py"
+    spec = importlib.util.spec_from_file_location("ab_paired", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _e2e_json(out: Path, steps: dict[int, float], key: str = "jax/identity/-") -> str:
+    out.mkdir(parents=True)
+    runs = {key: {"step_s_runs": [[[k, v] for k, v in steps.items()]]}}
+    (out / "e2e.json").write_text(json.dumps({"runs": runs}))
+    return str(out)
+
+
+def test_ab_paired_compares_the_same_steps_round_by_round(tmp_path, capsys):
+    """Two trees' runs over the same batches: totals over the steps both timed in a round (a
+    step one side left out, e.g. a capture, counts on neither), their ratio per round and
+    over all, and the per-step ratios' median, which one slow step does not move."""
+    ab = _ab_paired()
+    before = [
+        _e2e_json(tmp_path / "b1", {2: 0.010, 3: 0.020, 4: 0.030, 5: 0.040}),
+        _e2e_json(tmp_path / "b2", {2: 0.010, 3: 0.020, 4: 0.030, 5: 0.040}),
+    ]
+    after = [  # 2 % faster on every step; round 1 did not time step 5, round 2 had one stall
+        _e2e_json(tmp_path / "a1", {2: 0.0098, 3: 0.0196, 4: 0.0294}),
+        _e2e_json(tmp_path / "a2", {2: 0.0098, 3: 0.0196, 4: 0.0294, 5: 0.4}),
+    ]
+    result = ab.compare(ab._runs(before), ab._runs(after))
+    r = result["jax/identity/-"]
+    assert [n for n, _, _ in r["rounds"]] == [3, 4]
+    n, tb, ta = r["rounds"][0]
+    assert tb == pytest.approx(0.060) and ta == pytest.approx(0.0588)
+    assert r["before_s"] == pytest.approx(0.160) and r["after_s"] == pytest.approx(0.5176)
+    assert r["step_ratio_q"][1] == pytest.approx(1 / 0.98)
+    assert ab.main(["--before", *before, "--after", *after]) == 0
+    table = capsys.readouterr().out
+    assert "1.0204" in table and "per step: median 1.0204" in table
+    with pytest.raises(ValueError, match="2 before runs against 1 after"):
+        ab.compare(ab._runs(before), ab._runs(after[:1]))
+    with pytest.raises(SystemExit, match="e2e.json not found"):
+        ab.main(["--before", str(tmp_path), "--after", str(tmp_path)])
