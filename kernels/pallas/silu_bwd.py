@@ -41,6 +41,8 @@ def supports(widths, rows: int) -> str | None:
     """None when ``silu_backward`` can run pieces of these column widths, else why not."""
     if not widths or any(w <= 0 or w % BLOCK_N for w in widths):
         return f"column blocks {tuple(widths)} (each a positive multiple of {BLOCK_N})"
+    if rows <= 0:
+        return f"{rows} rows (an empty grid)"
     if rows * sum(widths) >= 2**31:
         return f"{rows} x {sum(widths)} elements (int32 offsets)"
     return None

@@ -70,6 +70,9 @@ def test_bad_shapes_are_named():
         silu_backward([grads[0], grads[1][:5]], pre, interpret=True)
     assert supports((1024,) * 4, 12288) is None
     assert "int32 offsets" in supports((1024,) * 4, 2**20)
+    assert "empty grid" in supports((64,), 0)
+    with pytest.raises(ValueError, match="0 rows"):
+        silu_backward([pre[:0, :64]], pre[:0, :64], interpret=True)
 
 
 @pytest.mark.gpu
