@@ -16,9 +16,11 @@ column sums of it, and a small reduction adds those up.
 
 Each program takes ``ROWS_PER_PROGRAM`` rows (in slices of ``BLOCK_R``) of one ``BLOCK_N``
 column block; its block lies in one piece (every piece's width is a multiple of ``BLOCK_N``).
-The rows per program are fixed, not sized from T, so the bias gradient is summed over the
-same groups of rows in the same order whatever capacity padding follows (padding rows have a
-zero ``dy``: a zero ``dpre``), as in the torch kernel. Tiles as torch's (128 rows in slices of
+The rows per program are fixed, not sized from T, so each program sums the same rows in the
+same order whatever capacity padding follows (padding rows have a zero ``dy``: a zero
+``dpre``, and padding-only programs zero partials), as in the torch kernel; the partials'
+final sum is XLA's reduction, whose order may follow the number of programs (torch sums them
+in a fixed order with a kernel of its own). Tiles as torch's (128 rows in slices of
 32 x 64 columns, 4 warps: the fastest of 48 tilings there); not swept in Pallas.
 """
 
