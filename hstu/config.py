@@ -77,9 +77,9 @@ class ModelConfig:
     )
     fused_silu: bool = _opt(
         True,
-        "the uvqk projection's SiLU backward and its bias gradient in one kernel on a GPU: "
-        "torch's in Triton (kernels/triton/linear_silu.py), jax's in Pallas "
-        "(kernels/pallas/silu_bwd.py); elsewhere autodiff's",
+        "torch on CUDA: the uvqk projection's SiLU backward and its bias gradient in one "
+        "Triton kernel (kernels/triton/linear_silu.py); elsewhere autodiff's; jax: no effect "
+        "(XLA fuses autodiff's; the Pallas kernel of it timed slower, docs/BENCHMARKS.md)",
     )
     pallas_lowering: str = _opt(
         "triton",

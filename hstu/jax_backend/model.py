@@ -456,17 +456,15 @@ def build_model(
     max_seqlen: int,
     interpret: bool | None = None,
     external_tables: bool = False,
-    silu_kernel: str | None = "auto",
+    silu_kernel: str | None = None,
 ) -> HSTUModel:
-    """`silu_kernel`: "auto" runs the uvqk SiLU's backward kernel (`HSTUModel.silu_kernel`)
-    where `model.fused_silu` asks for it and the model runs compiled (`interpret` False, or
-    None on a GPU backend), as torch runs its own on CUDA; or "compiled", "interpret", None."""
-    if silu_kernel == "auto":  # as `interpret` says (the caller's devices), else jax's backend
-        gpu = not interpret if interpret is not None else jax.default_backend() == "gpu"
-        silu_kernel = "compiled" if cfg.fused_silu and gpu else None
+    """`silu_kernel`: "compiled" or "interpret" runs the uvqk SiLU's backward as one Pallas
+    kernel (`HSTUModel.silu_kernel`, as torch runs its Triton one on CUDA); None (default)
+    leaves it to autodiff, which XLA fuses well enough that the kernel does not pay: on an H200
+    at bench_upstream batch 32 the kernel made jax's step 3 % slower (docs/BENCHMARKS.md)."""
     if silu_kernel not in (None, "compiled", "interpret"):
         raise ValueError(
-            f"silu_kernel: expected auto, compiled, interpret or None, got {silu_kernel!r}"
+            f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}"
         )
     attn = AttentionConfig(
         cfg.attention_impl("jax"),
