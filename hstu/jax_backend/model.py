@@ -463,9 +463,7 @@ def build_model(
     leaves it to autodiff, which XLA fuses well enough that the kernel does not pay: on an H200
     at bench_upstream batch 32 the kernel made jax's step 3 % slower (docs/BENCHMARKS.md)."""
     if silu_kernel not in (None, "compiled", "interpret"):
-        raise ValueError(
-            f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}"
-        )
+        raise ValueError(f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}")
     attn = AttentionConfig(
         cfg.attention_impl("jax"),
         max_seqlen,
