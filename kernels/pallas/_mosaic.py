@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..schedule import pairs, schedule
-from ._common import _query_ranges
+from ._common import _query_ranges, sample_of
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -178,12 +178,12 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
     attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     if kind == "fwd":
-        q_ref, k_ref, v_ref, o_ref, side_ref, scoped = refs
+        q_ref, k_ref, v_ref, o_ref, scoped = refs
         do_ref = None
         (q_smem2, k_smem, v_smem, t_smem2, o_smem2), barriers, frees, turn = scoped
         (k_full, v_full, q_full), do_full = barriers, None
     else:
-        q_ref, k_ref, v_ref, do_ref, o_ref, side_ref, scoped = refs
+        q_ref, k_ref, v_ref, do_ref, o_ref, scoped = refs
         (q_smem2, k_smem, v_smem, t_smem2, o_smem2, do_smem2), barriers, frees, turn = scoped
         k_full, v_full, q_full, do_full = barriers
     k_free, v_free = frees
@@ -338,7 +338,8 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # TMA needs it contiguous
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        _store(o_smem, o_ref, side_ref, h, qs, start, dead, n, j * 2 * bq + wg * bq)
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * 2 * bq + wg * bq, bq), h])
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
@@ -350,36 +351,6 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_full.at[slot])
 
         _stream(fetch, cta_steps, stages, (k_free, v_free))
-
-
-def _store(smem, out_ref, side_ref, h, f0, start, dead, n, side0) -> None:
-    """Write a CTA's output tile in place: the tile holds rows ``[f0, f0 + rows)`` of its
-    sample's frame (frame row ``i`` is the array's row ``start + i``; the sample's own rows are
-    ``[dead, n)``). TMA writes whole 8-row chunks, and a chunk the sample shares with a
-    neighbour (its first where ``dead > 0``, its last where it ends mid-chunk) would be written
-    by two CTAs at once: those go to ``side_ref`` at ``side0`` plus their offset in the tile,
-    for the wrapper to place (``_place``); the chunks wholly the sample's go to their rows of
-    ``out_ref``, in one copy where the tile has no other; chunks past the sample nowhere."""
-    rows = smem.shape[0]
-    whole = ((f0 > 0) | (dead == 0)) & (f0 + rows <= n)
-
-    @pl.when(whole)
-    def _():
-        plgpu.copy_smem_to_gmem(smem, out_ref.at[pl.ds(start + f0, rows), h])
-
-    @pl.when(jnp.logical_not(whole))
-    def _():
-        for i in range(rows // 8):
-            a = f0 + 8 * i
-            own = ((a > 0) | (dead == 0)) & (a + 8 <= n)
-            chunk = smem.at[pl.ds(8 * i, 8)]
-            dst = out_ref.at[pl.ds(start + a, 8), h]
-            side = side_ref.at[pl.ds(side0 + 8 * i, 8), h]
-            pl.when(own)(functools.partial(plgpu.copy_smem_to_gmem, chunk, dst))
-            shared = jnp.logical_not(own) & (a < n)
-            pl.when(shared)(functools.partial(plgpu.copy_smem_to_gmem, chunk, side))
-
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) -> None:
@@ -438,7 +409,7 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
     accumulates dv (``P^T dO``), warp group 1 dk (``dS^T q``, ``S^T`` recomputed: at head dim
     256 one warp group cannot hold both ``[64, D]`` fp32 accumulators); warp group 2 streams
     the query / dO tiles that see the keys."""
-    q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, dk_side, dv_side, scoped = refs
+    q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, scoped = refs
     (k_smem, v_smem, q_smem, do_smem, t_smem2), (kv_full, q_full, do_full), free, done = scoped
     bk, bq, stages = tiles.block_q, tiles.block_kv, tiles.stages
     dtype = q_ref.dtype
@@ -508,7 +479,7 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
             ds = jnp.where(keep(tile(s)), ds, 0.0)
         accumulate(ds.astype(dtype), q_smem.at[slot], acc_ref, slot)
 
-    def consume(step, d: int, out_smem, out_ref, side_ref, scale: float):
+    def consume(step, d: int, out_smem, out_ref, scale: float):
         def run(acc_ref):
             @pl.loop(0, u0)
             def _(s):
@@ -532,16 +503,16 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
         plgpu.barrier_wait(done)
         out_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        _store(out_smem, out_ref, side_ref, h, k0, start, dead, n, j * bk)
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(j * bk, bk), h])
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(kv_full.at[0])
         plgpu.barrier_wait(kv_full.at[1])
-        d_qk, d_v = dk_ref.shape[-1], dv_ref.shape[-1]
-        pl.when(wg == 0)(lambda: consume(dv_step, d_v, v_smem, dv_ref, dv_side, 1.0))
-        pl.when(wg == 1)(lambda: consume(dk_step, d_qk, k_smem, dk_ref, dk_side, alpha))
+        pl.when(wg == 0)(lambda: consume(dv_step, dv_ref.shape[-1], v_smem, dv_ref, 1.0))
+        pl.when(wg == 1)(lambda: consume(dk_step, dk_ref.shape[-1], k_smem, dk_ref, alpha))
 
     @pl.when(wg == 2)
     def _producer():
@@ -614,7 +585,10 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         ]
         rest = (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
         body = functools.partial(_key_kernel, tiles=tiles, alpha=alpha, normalizer=normalizer)
-        widths = (d_qk, d_v)
+        out_type = (
+            jax.ShapeDtypeStruct((num * block, heads, d_qk), q.dtype),
+            jax.ShapeDtypeStruct((num * block, heads, d_v), q.dtype),
+        )
     else:
         d_out = d_v if kind == "fwd" else d_qk
         buffers = [
@@ -637,7 +611,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         body = functools.partial(
             _query_kernel, kind=kind, tiles=tiles, alpha=alpha, normalizer=normalizer
         )
-        widths = (d_out,)
+        out_type = jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype)
 
     def entry(meta_ref, *refs):
         pl.run_scoped(
@@ -648,13 +622,9 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
             collective_axes="wg",
         )
 
-    # The kernel writes the outputs at their rows; the chunks two samples share go through
-    # per-CTA side buffers (`_store`), placed after it with the rows past the batch zeroed.
-    t_pad = ins[0].shape[0]
     outs = plgpu.kernel(
         entry,
-        out_type=tuple(jax.ShapeDtypeStruct((t_pad, heads, d), q.dtype) for d in widths)
-        + tuple(jax.ShapeDtypeStruct((num * block, heads, d), q.dtype) for d in widths),
+        out_type=out_type,
         grid=(heads, num),
         grid_names=("heads", "pairs"),
         num_threads=3,
@@ -664,49 +634,24 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         ),
         interpret=InterpretGPUParams() if interpret else None,
     )(meta, *ins)
-    place = _place(offs, dead, blk, b, valid, num, block, frame_seqlen, t_pad)
-    outs = tuple(
-        place(o, side)[:t_cap] for o, side in zip(outs[: len(widths)], outs[len(widths) :])
-    )
-    return outs if key_major else outs[0]
 
-
-def _place(offs, dead, blk, b, valid, num: int, block: int, frame_seqlen: int, t_pad: int):
-    """``(out, side) -> out`` with the rows no CTA wrote: zeros past ``offs[-1]``, and the rows
-    of the chunks two samples share (``_store``) from the side buffer: each sample's first
-    chunk (where it starts past the chunk's first row) and its last (where it ends before the
-    chunk's last), at most 16 rows a sample. Both are scatters into ``out`` in place (an XLA
-    buffer: the kernel's own output, so nothing is copied or zero-filled first)."""
-    bsz = offs.shape[0] - 1
+    # Each token's row in the CTA tiles: its (block, sample) pair's entry, then its offset.
     levels = -(-frame_seqlen // block)
-    # each (sample, level)'s grid entry: its tile's rows in the side buffer
     owner = jnp.where(valid != 0, b, bsz)  # entries without work scatter nowhere
     entry_of = jnp.zeros((bsz, levels), jnp.int32)
     entry_of = entry_of.at[owner, blk].set(jnp.arange(num, dtype=jnp.int32), mode="drop")
-    lo, hi = offs[:-1], offs[1:]
-    first = lo - dead
-    last = jnp.maximum(hi - 1, 0)
-    last = last - last % 8
-    base = jnp.stack([first, last], axis=1)  # [B, 2]: the two chunks' first rows
-    shared = (base < lo[:, None]) | (base + 8 > hi[:, None])
-    shared = shared & jnp.stack([jnp.ones_like(lo, bool), last != first], axis=1)
-    r = base[:, :, None] + jnp.arange(8, dtype=jnp.int32)  # [B, 2, 8]
-    mine = shared[:, :, None] & (r >= lo[:, None, None]) & (r < hi[:, None, None])
-    local = r - first[:, None, None]  # in the sample's frame
+    t = jnp.arange(t_cap, dtype=jnp.int32)
+    sample = sample_of(offs[1:], t_cap)
+    local = t - offs[sample] + dead[sample]  # in the sample's frame
     level = jnp.clip(local // block, 0, levels - 1)
-    src = entry_of[jnp.arange(bsz)[:, None, None], level] * block + local % block
-    dst = jnp.where(mine, r, t_pad).reshape(-1)  # past the array: dropped
-    src = src.reshape(-1)
+    rows = entry_of[sample, level] * block + local % block
+    live = (t < offs[-1])[:, None, None]
 
-    tail = offs[-1] + jnp.arange(t_pad, dtype=jnp.int32)  # past the array: dropped
+    def back(tiles_out):
+        out = jnp.take(tiles_out, rows, axis=0)
+        return jnp.where(live, out, jnp.zeros((), out.dtype))
 
-    def place(out, side):
-        out = out.at[tail].set(
-            jnp.zeros((), out.dtype), mode="drop", indices_are_sorted=True, unique_indices=True
-        )
-        return out.at[dst].set(jnp.take(side, src, axis=0, mode="clip"), mode="drop")
-
-    return place
+    return tuple(back(o) for o in outs) if key_major else back(outs)
 
 
 def forward(q, k, v, offs, ctx, cand, **kw):
