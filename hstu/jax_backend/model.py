@@ -326,8 +326,8 @@ class HSTUModel(nn.Module):
     cfg: ModelConfig
     attn: AttentionConfig
     external_tables: bool = False
-    # the uvqk projection's SiLU and bias gradients in one Pallas kernel (`model.fused_silu`
-    # on a GPU): "compiled", "interpret" (the Pallas interpreter: tests) or None (autodiff)
+    # the uvqk projection's SiLU and bias gradients in one Pallas kernel (`build_model`'s
+    # `silu_kernel`): "compiled", "interpret" (the Pallas interpreter: tests) or None (autodiff)
     silu_kernel: str | None = None
 
     def setup(self):
