@@ -8,6 +8,7 @@
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
         [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
                                       keep their defaults)
+        [--exact-rows]               (arrays of exactly the batch's tokens, not a capacity)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
 contextual tokens, 8..64 candidates, ``max_seqlen`` 4100: ``tune_cases``) and batches of
@@ -16,9 +17,13 @@ one round's time divided by its ``--calls`` calls: torch replays the calls captu
 CUDA graph (as the training step runs them) between CUDA events; jax dispatches them back to
 back inside a range of a ``jax.profiler`` trace and sums the device's busy time in it
 (``hstu.jax_backend.device_time``; on a CPU, the host's clock). Either way the host's launch
-work is not in the figure: it is what the kernels cost inside a training step. TFLOP/s count
-the pairs the mask lets through (forward 4 x pairs x heads x dim; forward + backward 3x
-that).
+work is not in the figure: it is what the kernels cost inside a training step. So are the
+arrays: a training step's q, k, v hold its batch at a token capacity, a multiple of
+``hstu.capacity.ALIGN`` (256) rows with the rows past the batch unused, and the cases' arrays
+do too (``--exact-rows``: exactly the batch's tokens, as a direct call may pass them; the Mosaic
+lowering then first copies q, k, v (dO) to a multiple of 8 rows, which its TMA copies need).
+TFLOP/s count the pairs the mask lets through (forward 4 x pairs x heads x dim; forward +
+backward 3x that).
 The kernels are whichever ``hstu_kernels`` is importable: ``gpu_check.sh kab`` points it at
 two trees in turn to time them side by side.
 """
@@ -27,6 +32,8 @@ import argparse
 
 import numpy as np
 from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
+
+from hstu.capacity import ALIGN
 
 CONTEXTUAL = 4
 
@@ -40,6 +47,13 @@ def cases(equal=((8, 4096),), recipe: bool = True):
     for batch, seqlen in equal:
         out.append((f"{batch} x {seqlen}", np.full(batch, seqlen), None, 0, seqlen))
     return out
+
+
+def rows(lengths, exact: bool = False) -> int:
+    """The arrays' rows for a batch of ``lengths``: its tokens rounded up to a multiple of
+    ``ALIGN``, as a training step's capacities are, or exactly its tokens."""
+    tokens = int(np.sum(lengths))
+    return tokens if exact else max(ALIGN, -(-tokens // ALIGN) * ALIGN)
 
 
 def _equal(text: str) -> tuple[int, int]:
@@ -83,13 +97,14 @@ def _parse_tiles(items: list[str]) -> dict:
 
 
 def _torch_case(
-    lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None, tiles=None
+    lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None, tiles=None,
+    exact_rows=False,
 ):  # fmt: skip
     import torch
     from hstu_kernels.triton import hstu_attention  # the function, whatever loaded first
 
     dev = torch.device("cuda")
-    T = int(lengths.sum())
+    T = rows(lengths, exact_rows)
     q, k, v, g = (torch.randn(T, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
@@ -166,8 +181,9 @@ def _jax_profile(fn, args, calls: int = 5) -> None:
 
 
 def _jax_case(
-    lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False
-):
+    lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False,
+    exact_rows=False,
+):  # fmt: skip
     import jax
     import jax.numpy as jnp
     from hstu_kernels.pallas import hstu_attention
@@ -175,7 +191,7 @@ def _jax_case(
     from hstu.jax_backend.device_time import time_ms
 
     key = jax.random.split(jax.random.key(0), 4)
-    T = int(lengths.sum())
+    T = rows(lengths, exact_rows)
     q, k, v, g = (jax.random.normal(kk, (T, heads, dim), jnp.bfloat16) for kk in key)
     offs = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     kw = dict(max_seqlen=max_seqlen, alpha=1.0 / dim**0.5, normalizer=float(max_seqlen))
@@ -229,6 +245,8 @@ def main(argv=None) -> None:
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     ap.add_argument("--tiles", nargs="*", default=[],
                     help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
+    ap.add_argument("--exact-rows", action="store_true",
+                    help="arrays of exactly the batch's tokens (default: a capacity)")  # fmt: skip
     args = ap.parse_args(argv)
     tiles = _parse_tiles(args.tiles)
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
@@ -236,17 +254,20 @@ def main(argv=None) -> None:
         fwd_name = f", {args.backward} backward"
     if args.backend == "torch" and tiles:
         fwd_name += ", tiles " + " ".join(args.tiles)
+    layout = "exact rows" if args.exact_rows else f"rows: tokens up to a multiple of {ALIGN}"
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
-          f"{args.calls} calls x {args.rounds} rounds")  # fmt: skip
+          f"{args.calls} calls x {args.rounds} rounds, {layout}")  # fmt: skip
     print(f"{'case':>16} {'tokens':>7} {'fwd ms':>8} {'TF/s':>5} {'f+b ms':>8} {'TF/s':>5}")
     timed = _graph_timer(args.calls, args.rounds) if args.backend == "torch" else None
     for name, lengths, cand, ctx, max_seqlen in cases(args.equal, args.recipe):
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         profile = args.profile is not None and (not args.profile or name in args.profile)
         if args.backend == "torch":
-            f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles)
+            f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles, args.exact_rows)
         else:
-            f_ms, fb_ms = _jax_case(*shape, args.calls, args.rounds, args.lowering, profile)
+            f_ms, fb_ms = _jax_case(
+                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows
+            )
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip

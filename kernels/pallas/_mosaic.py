@@ -550,7 +550,11 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
     blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=key_major)
     ins = [q, k, v] if kind == "fwd" else [q, k, v, do]
-    if t_cap % 8:  # TMA also wants the arrays' rows in whole tiles (training capacities are)
+    if t_cap % 8:
+        # Mosaic GPU describes the whole array to TMA in the shared tiles' (8, 64) tiling and
+        # refuses rows that are not whole tiles (jax 0.11.2: "must have size smaller or a
+        # multiple of its tiling"), so such a call pays a copy of each input; a training
+        # step's capacities are multiples of 256 rows (`hstu.capacity.ALIGN`) and pay none.
         ins = [jnp.pad(x, ((0, -t_cap % 8), (0, 0), (0, 0))) for x in ins]
     start = (offs[b] - dead[b]) // 8  # in rows of 8: the kernel multiplies back
     n = jnp.where(valid != 0, lens[b], 0)

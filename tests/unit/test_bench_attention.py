@@ -3,7 +3,9 @@ tiny grid (kernels interpreted on CPU: the check is real, the timings are not)."
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -291,3 +293,31 @@ def test_the_torch_kernel_bench_needs_neither_torchrec_nor_fbgemm(tmp_path):
     done = _run_blocked({"torch"}, argv)
     assert done.returncode == 2
     assert "the kernel benchmark needs the package 'torch'" in done.stderr
+
+
+# ------------------------------------------------------------- scripts/attention_jagged.py
+def _attention_jagged():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "attention_jagged.py"
+    spec = importlib.util.spec_from_file_location("attention_jagged", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_jagged_times_batches_at_a_training_capacity(capsys):
+    """The script's arrays hold each batch as a training step does, at a capacity (a multiple
+    of `hstu.capacity.ALIGN` rows), unless asked for exactly the batch's tokens; the cells are
+    then timed on those arrays (here on the CPU, the host's clock, through the interpreter)."""
+    from hstu.capacity import ALIGN
+
+    script = _attention_jagged()
+    assert script.rows([100, 30]) == ALIGN
+    assert script.rows([ALIGN]) == ALIGN
+    assert script.rows([ALIGN, 1]) == 2 * ALIGN
+    assert script.rows([100, 30], exact=True) == 130
+    script.main(["--backend", "jax", "--dim", "16", "--heads", "1", "--no-recipe",
+                 "--equal", "2x40", "--calls", "1", "--rounds", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"rows: tokens up to a multiple of {ALIGN}" in out
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("2 x 40"))
+    assert int(row[3]) == 80 and float(row[4]) > 0 and float(row[6]) > 0
