@@ -1,9 +1,11 @@
 """Helpers for tests and parity checks (numpy only): build global batches with chosen padding,
-find out whether a GPU is there, and block the frameworks to prove the core needs none."""
+find out whether a GPU is there, block the frameworks to prove the core needs none, and load
+the repository's scripts as modules."""
 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import os
 import shutil
 import sys
@@ -76,6 +78,14 @@ def block_backends() -> None:
         raise RuntimeError(f"cannot block frameworks that are already imported: {loaded}")
     if not any(isinstance(f, _BackendBlocker) for f in sys.meta_path):
         sys.meta_path.insert(0, _BackendBlocker())
+
+
+def load_script(name: str):
+    """`scripts/<name>.py` as a module (the scripts are not a package), for its tests."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def has_nvidia_gpu() -> bool:

@@ -3,9 +3,7 @@ tiny grid (kernels interpreted on CPU: the check is real, the timings are not)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 from hstu import backends
 from hstu.bench import attention as ba
 from hstu.cli import main
+from hstu.testing import load_script
 
 
 def _args(**kw):
@@ -296,21 +295,13 @@ def test_the_torch_kernel_bench_needs_neither_torchrec_nor_fbgemm(tmp_path):
 
 
 # ------------------------------------------------------------- scripts/attention_jagged.py
-def _attention_jagged():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "attention_jagged.py"
-    spec = importlib.util.spec_from_file_location("attention_jagged", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_attention_jagged_times_batches_at_a_training_capacity(capsys):
     """The script's arrays hold each batch as a training step does, at a capacity (a multiple
     of `hstu.capacity.ALIGN` rows), unless asked for exactly the batch's tokens; the cells are
     then timed on those arrays (here on the CPU, the host's clock, through the interpreter)."""
     from hstu.capacity import ALIGN
 
-    script = _attention_jagged()
+    script = load_script("attention_jagged")
     assert script.rows([100, 30]) == ALIGN
     assert script.rows([ALIGN]) == ALIGN
     assert script.rows([ALIGN, 1]) == 2 * ALIGN

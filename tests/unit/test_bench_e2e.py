@@ -3,7 +3,6 @@ simulation runs and agrees with what the runs measured."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from hstu import backends
 from hstu.cli import main
 from hstu.pipeline import HOST_PHASES
+from hstu.testing import load_script
 
 for _name in ("torch", "jax"):
     _ok, _why = backends.available(_name)
@@ -399,11 +399,7 @@ def test_overall_rate_is_the_timed_steps_flops_over_their_time():
 
 # ------------------------------------------------------------------ scripts/ab_paired.py
 def _ab_paired():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "ab_paired.py"
-    spec = importlib.util.spec_from_file_location("ab_paired", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ab_paired")
 
 
 def _e2e_json(out: Path, steps: dict[int, float], key: str = "jax/identity/-") -> str:

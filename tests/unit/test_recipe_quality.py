@@ -5,24 +5,18 @@ test metrics."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from hstu import backends
 from hstu.config import load_config
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "recipe_quality.py"
+from hstu.testing import load_script
 
 
 @pytest.fixture(scope="module")
 def rq():
-    spec = importlib.util.spec_from_file_location("recipe_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipe_quality")
 
 
 def test_samples_hold_each_recipes_items(rq):
