@@ -44,7 +44,7 @@ class CapacityPolicy:
             return self.capacities[i]
         size = self.capacities[-1] if self.capacities else ALIGN
         while size < num_tokens:
-            size = _align(size * self.ratio)
+            size = align_up(size * self.ratio)
         return size
 
     def capacity_of(self, num_tokens: np.ndarray) -> np.ndarray:
@@ -60,17 +60,19 @@ class CapacityPolicy:
         return out
 
 
-def _align(n: float, align: int = ALIGN) -> int:
+def align_up(n: float, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align` (at least one): the smallest capacity that could
+    hold `n` tokens."""
     return max(align, int(-(-int(np.ceil(n)) // align) * align))
 
 
 def geometric(maximum: int, minimum: int = ALIGN, ratio: float = 1.25) -> CapacityPolicy:
     """Capacities `minimum * ratio^k` up to `maximum` (a source of unknown lengths)."""
-    caps, size = [], _align(minimum)
+    caps, size = [], align_up(minimum)
     while size < maximum:
         caps.append(size)
-        size = _align(size * ratio)
-    caps.append(_align(maximum))
+        size = align_up(size * ratio)
+    caps.append(align_up(maximum))
     return CapacityPolicy(tuple(caps), ratio)
 
 
@@ -78,7 +80,7 @@ def optimal_buckets(values: np.ndarray, k: int, align: int = ALIGN) -> tuple[int
     """At most `k` capacities minimising the mean relative padding (capacity / value - 1) of
     `values`, each value padded to the smallest capacity holding it (optimal 1-D bucketing by
     dynamic programming over the sorted, aligned values; the largest is always a capacity)."""
-    x = np.unique([_align(v, align) for v in values])  # candidate capacities, sorted
+    x = np.unique([align_up(v, align) for v in values])  # candidate capacities, sorted
     counts = np.array([np.sum(_align_all(values, align) == v) for v in x], np.float64)
     n = len(x)
     k = min(k, n)

@@ -33,7 +33,7 @@ import argparse
 import numpy as np
 from hstu_kernels.tune_cases import MAX_SEQLEN, bench_upstream_batch, mask_pairs
 
-from hstu.capacity import ALIGN
+from hstu.capacity import ALIGN, align_up
 
 CONTEXTUAL = 4
 
@@ -53,7 +53,7 @@ def rows(lengths, exact: bool = False) -> int:
     """The arrays' rows for a batch of ``lengths``: its tokens rounded up to a multiple of
     ``ALIGN``, as a training step's capacities are, or exactly its tokens."""
     tokens = int(np.sum(lengths))
-    return tokens if exact else max(ALIGN, -(-tokens // ALIGN) * ALIGN)
+    return tokens if exact else align_up(tokens)
 
 
 def _equal(text: str) -> tuple[int, int]:
