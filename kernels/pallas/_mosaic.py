@@ -46,7 +46,9 @@ the reference and the Triton lowering on an H200 (``tests/unit/test_pallas_mosai
 Timed there against the Triton lowering on the recipe's jagged batches and 8 x 4096 (forward +
 backward, kernels/README.md): 1.02-1.32x at head dims 64 to 256, the forward 0.6-1.26x (below
 0.85x on one batch of short samples at head dims 64 and 128); ``auto`` in bench_upstream, not
-the option's default.
+the option's default. Against torch's Triton kernels, forward + backward on the recipe's
+batches: 1.06-1.15x at head dim 128, 1.30-1.35x at 256 (session of 2026-12-02; the two
+backends timed in different calls on one machine).
 """
 
 from __future__ import annotations
@@ -617,6 +619,15 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         )
         out_type = jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype)
 
+    # Dispatch order: Mosaic GPU launches a grid's last axis as CUDA's x, which the GPU hands
+    # out first. dq / dk / dv go entry-major (an entry's heads together), so every head's
+    # heaviest entries start first: forward + backward -3 to -15 % on bench_upstream's batches,
+    # +4-6 % on 8 x 4096. The forward stays head-major (each head's list in turn): entry-major
+    # measured 4-5 % slower for it (kernels/README.md, "Dispatch order").
+    grid, names = (
+        ((heads, num), ("heads", "pairs")) if kind == "fwd" else ((num, heads), ("pairs", "heads"))
+    )
+
     def entry(meta_ref, *refs):
         pl.run_scoped(
             lambda *scoped: body(meta_ref, *refs, scoped, interpreted=interpreted),
@@ -629,8 +640,8 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(heads, num),
-        grid_names=("heads", "pairs"),
+        grid=grid,
+        grid_names=names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
