@@ -3,6 +3,9 @@
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
         [--profile [CASE ...]]       (per-kernel device time of those cases; none named: all)
         [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
+        [--lead fwd=0 dq=33 ...]     (jax, mosaic: a kernel's launch order, ``MosaicTiles.lead``:
+                                      its first N schedule entries with their heads together,
+                                      the rest head by head; the others keep their default)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
@@ -180,9 +183,35 @@ def _jax_profile(fn, args, calls: int = 5) -> None:
     summarize_trace(sorted(glob.glob(pattern, recursive=True))[-1], calls, top=12)
 
 
+def _parse_lead(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        kernel, _, n = item.partition("=")
+        if kernel not in ("fwd", "dq", "dkdv") or not n.isdigit():
+            raise SystemExit(f"--lead: expected KERNEL=N, KERNEL one of fwd, dq, dkdv and N >= 0; "
+                             f"got {item!r}")  # fmt: skip
+        out[kernel] = int(n)
+    return out
+
+
+def _mosaic_tiles(lead: dict, dim: int):
+    """The (forward, dq, dk/dv) MosaicTiles: the defaults for ``dim`` with ``lead`` (kernel ->
+    entries launched with their heads) set; None when ``lead`` is empty (the defaults)."""
+    if not lead:
+        return None
+    import dataclasses
+
+    from hstu_kernels.pallas import _mosaic
+
+    return tuple(
+        dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), lead=lead.get(kind))
+        for kind in _mosaic.KINDS
+    )
+
+
 def _jax_case(
     lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False,
-    exact_rows=False,
+    exact_rows=False, lead=None,
 ):  # fmt: skip
     import jax
     import jax.numpy as jnp
@@ -204,7 +233,9 @@ def _jax_case(
     # the batch's arrays and dO are arguments, as in a training step: closed over, XLA folds
     # the kernels' schedule (and dO's padding) into the program at compile time
     def attn(q, k, v, offs, extra):
-        return hstu_attention(q, k, v, offs, **kw, **extra, lowering=lowering)
+        return hstu_attention(
+            q, k, v, offs, **kw, **extra, lowering=lowering, mosaic_tiles=_mosaic_tiles(lead, dim)
+        )
 
     def attn_and_grads(q, k, v, offs, extra, g):
         # the output is returned too: the backward does not read it, and a program that
@@ -245,11 +276,20 @@ def main(argv=None) -> None:
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     ap.add_argument("--tiles", nargs="*", default=[],
                     help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
+    ap.add_argument("--lead", nargs="*", default=[],
+                    help="jax, mosaic: KERNEL=N, launch order (MosaicTiles.lead)")  # fmt: skip
     ap.add_argument("--exact-rows", action="store_true",
                     help="arrays of exactly the batch's tokens (default: a capacity)")  # fmt: skip
     args = ap.parse_args(argv)
     tiles = _parse_tiles(args.tiles)
+    lead = _parse_lead(args.lead)
+    if lead and (args.backend != "jax" or args.lowering != "mosaic"):
+        raise SystemExit(
+            "--lead: the Mosaic kernels' launch order (--backend jax --lowering mosaic)"
+        )
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
+    if lead:
+        fwd_name += ", lead " + " ".join(args.lead)
     if args.backend == "torch" and args.backward:
         fwd_name = f", {args.backward} backward"
     if args.backend == "torch" and tiles:
@@ -266,7 +306,7 @@ def main(argv=None) -> None:
             f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles, args.exact_rows)
         else:
             f_ms, fb_ms = _jax_case(
-                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows
+                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows, lead
             )
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "

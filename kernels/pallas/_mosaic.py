@@ -87,11 +87,16 @@ class MosaicTiles:
     """Tiling of one Mosaic GPU kernel: ``block_q`` rows of a consumer warp group's matmuls
     (64: one wgmma row block; query rows, or key rows for dk / dv), ``block_kv`` rows per
     streamed tile (key rows, or query rows for dk / dv; a multiple of 32, where 32 puts the
-    shared buffers on a 64-byte swizzle) and ``stages`` streamed slots (>= 2)."""
+    shared buffers on a 64-byte swizzle) and ``stages`` streamed slots (>= 2). ``lead``: the
+    launch order of the CTAs over the heaviest-first schedule (``kernels/schedule.py``), which
+    the GPU dispatches in turn: its first ``lead`` entries with their heads together, the rest
+    head by head (0: all head by head); None: the kernel's measured default, the forward 0,
+    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order")."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
+    lead: int | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -102,6 +107,8 @@ class MosaicTiles:
             )
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MosaicTiles.stages: expected an int >= 2, got {self.stages!r}")
+        if self.lead is not None and (not isinstance(self.lead, int) or self.lead < 0):
+            raise ValueError(f"MosaicTiles.lead: expected None or an int >= 0, got {self.lead!r}")
 
 
 _Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
@@ -166,6 +173,22 @@ def _cdiv(x, d: int):
     return lax.div(x + (d - 1), jnp.int32(d))
 
 
+def _entry_and_head(cta, num: int, heads: int, lead: int):
+    """(schedule entry, head) of CTA ``cta``, the launch's linear index: the first ``lead``
+    entries (of ``num``) with their ``heads`` heads together, then the rest head by head."""
+    lead = min(lead, num)
+    front = (lax.div(cta, jnp.int32(heads)), lax.rem(cta, jnp.int32(heads)))
+    if lead == num:
+        return front
+    back = cta - lead * heads
+    rest = jnp.int32(num - lead)
+    is_front = cta < lead * heads
+    return (
+        jnp.where(is_front, front[0], lead + lax.rem(back, rest)),
+        jnp.where(is_front, front[1], lax.div(back, rest)),
+    )
+
+
 def _key_steps(qs, bq: int, bk: int, n, c, hist):
     """Key tiles query rows [qs, qs + bq) of a sample need: history keys up to the last row
     (all of them when a row is contextual), and the rows' own positions (candidates see
@@ -175,7 +198,7 @@ def _key_steps(qs, bq: int, bk: int, n, c, hist):
     return jnp.where(qs < n, _cdiv(jnp.maximum(a_end, qe), bk), 0)
 
 
-def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
+def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interpreted):
     """One CTA: ``2 x block_q`` query rows of one sample and head (``kind`` "fwd": the
     attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
@@ -191,8 +214,7 @@ def _query_kernel(meta_ref, *refs, kind, tiles, alpha, normalizer, interpreted):
     k_free, v_free = frees
     dtype = q_ref.dtype
     d_out = o_ref.shape[-1]
-    h = lax.axis_index("heads")
-    j = lax.axis_index("pairs")
+    j, h = _entry_and_head(lax.axis_index("cta"), *order)
     wg = lax.axis_index("wg")
     start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
     start = start * 8  # TMA tiles start on multiples of 8 rows
@@ -406,7 +428,7 @@ def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
     return tile, end_a + hi_b - lo_b, q_int + shift, q_end + shift
 
 
-def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
+def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
     """One CTA: ``block_q`` key rows of one sample and head, both gradients. Warp group 0
     accumulates dv (``P^T dO``), warp group 1 dk (``dS^T q``, ``S^T`` recomputed: at head dim
     256 one warp group cannot hold both ``[64, D]`` fp32 accumulators); warp group 2 streams
@@ -415,8 +437,7 @@ def _key_kernel(meta_ref, *refs, tiles, alpha, normalizer, interpreted):
     (k_smem, v_smem, q_smem, do_smem, t_smem2), (kv_full, q_full, do_full), free, done = scoped
     bk, bq, stages = tiles.block_q, tiles.block_kv, tiles.stages
     dtype = q_ref.dtype
-    h = lax.axis_index("heads")
-    j = lax.axis_index("pairs")
+    j, h = _entry_and_head(lax.axis_index("cta"), *order)
     wg = lax.axis_index("wg")
     start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
     start = start * 8
@@ -574,6 +595,13 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)),
     )
     interpreted = bool(interpret)
+    # Launch order (one grid axis, which the GPU dispatches in turn): dq / dk / dv send each
+    # entry's heads together, so every head's heaviest entries start first: forward +
+    # backward -3 to -15 % on bench_upstream's batches, +4-6 % on 8 x 4096. The forward goes
+    # head by head: entry by entry measured 4-5 % slower for it (kernels/README.md, "Dispatch
+    # order").
+    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" else num)
+    order = (num, heads, lead)
     # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
     t_buf = smem((2, bq, bk), q.dtype) if interpreted else None
     if key_major:
@@ -590,7 +618,9 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
             plgpu.Barrier(num_barriers=stages),
         ]
         rest = (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
-        body = functools.partial(_key_kernel, tiles=tiles, alpha=alpha, normalizer=normalizer)
+        body = functools.partial(
+            _key_kernel, tiles=tiles, order=order, alpha=alpha, normalizer=normalizer
+        )
         out_type = (
             jax.ShapeDtypeStruct((num * block, heads, d_qk), q.dtype),
             jax.ShapeDtypeStruct((num * block, heads, d_v), q.dtype),
@@ -615,18 +645,9 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         rest = ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,)
         rest += (plgpu.Barrier(num_arrivals=2),)
         body = functools.partial(
-            _query_kernel, kind=kind, tiles=tiles, alpha=alpha, normalizer=normalizer
+            _query_kernel, kind=kind, tiles=tiles, order=order, alpha=alpha, normalizer=normalizer
         )
         out_type = jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype)
-
-    # Dispatch order: Mosaic GPU launches a grid's last axis as CUDA's x, which the GPU hands
-    # out first. dq / dk / dv go entry-major (an entry's heads together), so every head's
-    # heaviest entries start first: forward + backward -3 to -15 % on bench_upstream's batches,
-    # +4-6 % on 8 x 4096. The forward stays head-major (each head's list in turn): entry-major
-    # measured 4-5 % slower for it (kernels/README.md, "Dispatch order").
-    grid, names = (
-        ((heads, num), ("heads", "pairs")) if kind == "fwd" else ((num, heads), ("pairs", "heads"))
-    )
 
     def entry(meta_ref, *refs):
         pl.run_scoped(
@@ -640,8 +661,8 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=names,
+        grid=(num * heads,),
+        grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

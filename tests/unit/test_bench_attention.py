@@ -312,3 +312,22 @@ def test_attention_jagged_times_batches_at_a_training_capacity(capsys):
     assert f"rows: tokens up to a multiple of {ALIGN}" in out
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("2 x 40"))
     assert int(row[3]) == 80 and float(row[4]) > 0 and float(row[6]) > 0
+
+
+def test_attention_jagged_sets_the_mosaic_launch_order_per_kernel():
+    """`--lead KERNEL=N` sets that Mosaic kernel's `MosaicTiles.lead` over its default tiles,
+    the others keep theirs; a malformed item, or a backend without those kernels, is refused
+    before anything runs."""
+    pytest.importorskip("jax")
+    script = load_script("attention_jagged")
+    assert script._parse_lead(["fwd=0", "dq=33"]) == {"fwd": 0, "dq": 33}
+    assert script._mosaic_tiles({}, 256) is None
+    fwd, dq, dkdv = script._mosaic_tiles({"dq": 5}, 256)
+    assert (fwd.lead, dq.lead, dkdv.lead) == (None, 5, None)
+    assert dq.block_kv == 32  # dq's own default tiles at head dim 256 (shared memory)
+    for bad in (["dq=-1"], ["attn=3"], ["dq"]):
+        with pytest.raises(SystemExit, match="--lead"):
+            script._parse_lead(bad)
+    for backend in (["--backend", "torch"], ["--backend", "jax", "--lowering", "triton"]):
+        with pytest.raises(SystemExit, match="--lead"):
+            script.main([*backend, "--lead", "dq=1", "--no-recipe", "--equal", "1x8"])

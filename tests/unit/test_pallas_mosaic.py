@@ -99,7 +99,8 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
     ("dqk", "dv", "tiles"),
     [
         (64, 64, None),
-        (32, 48, (MosaicTiles(block_kv=128, stages=3), MosaicTiles(block_kv=32))),  # padded
+        # padded head dims; the forward's and dq's CTAs launched in a mixed order (`lead`)
+        (32, 48, (MosaicTiles(block_kv=128, stages=3, lead=2), MosaicTiles(block_kv=32, lead=1))),
         (256, 128, None),  # the dq kernel takes 32-row key tiles here (shared memory)
     ],
 )
@@ -167,6 +168,27 @@ def test_bad_lowering_choices_are_named():
         hstu_attention(*f32, offs, **kw, lowering="mosaic", interpret=True)
     with pytest.raises(ValueError, match="MosaicTiles.block_kv"):
         MosaicTiles(block_kv=48)
+    with pytest.raises(ValueError, match="MosaicTiles.lead"):
+        MosaicTiles(lead=-1)
+
+
+@pytest.mark.parametrize("lead", [0, 1, 5, 7, 30])
+def test_launch_order_takes_every_entry_and_head_once(lead):
+    """CTA i of the launch (dispatched in turn) works on `_entry_and_head(i)`: the first `lead`
+    schedule entries with their heads together, then the rest head by head."""
+    num, heads = 7, 4
+    cta = jnp.arange(num * heads, dtype=jnp.int32)
+    entry, head = (np.asarray(x) for x in _mosaic._entry_and_head(cta, num, heads, lead))
+    assert sorted(zip(entry.tolist(), head.tolist())) == [
+        (e, h) for e in range(num) for h in range(heads)
+    ]
+    front = min(lead, num) * heads
+    # the lead entries first, each with its heads in a row
+    assert entry[:front].tolist() == [e for e in range(min(lead, num)) for _ in range(heads)]
+    assert head[:front].tolist() == list(range(heads)) * min(lead, num)
+    # then head by head, each head's entries heaviest (lowest) first
+    rest = [(h, e) for h in range(heads) for e in range(min(lead, num), num)]
+    assert list(zip(head[front:].tolist(), entry[front:].tolist())) == rest
 
 
 def test_supports_names_each_limit():
