@@ -50,7 +50,7 @@ def sweep_table(results: dict, passes, tag_header: str) -> str:
         for n in names:
             _, _, ms, note = results[n][i]
             cells.append(f"{ms:8.3f} ms {note:>14}" if ms == ms else f"{note[:26]:>26}")
-        tag = ",".join(str(x) for x in dataclasses.astuple(tiles))
+        tag = ",".join(str(x) for x in dataclasses.astuple(tiles) if x is not None)
         lines.append(f"{kern:>6} {tag:>17} " + " ".join(cells))
     for kern in passes:
         timed = {n: {t: ms for k, t, ms, _ in rows if k == kern and ms == ms}

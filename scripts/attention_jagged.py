@@ -3,9 +3,10 @@
     python scripts/attention_jagged.py --backend torch|jax [--dim 256] [--heads 4]
         [--profile [CASE ...]]       (per-kernel device time of those cases; none named: all)
         [--lowering triton|mosaic]   (jax: the attention kernels' Pallas lowering)
-        [--lead fwd=0 dq=33 ...]     (jax, mosaic: a kernel's launch order, ``MosaicTiles.lead``:
-                                      its first N schedule entries with their heads together,
-                                      the rest head by head; the others keep their default)
+        [--lead fwd=0 dq=33 ...]     (torch, or jax with mosaic: a kernel's launch order,
+                                      ``BlockSizes.lead`` / ``MosaicTiles.lead``: its first N
+                                      schedule entries with their heads together, the rest head
+                                      by head; the others keep their default)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
@@ -74,16 +75,22 @@ def _graph_timer(calls: int, rounds: int):
     return lambda fn: graph_time_ms(fn, calls, rounds)
 
 
-def _torch_tiles(tiles: dict, dim: int):
+def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None):
     """The (forward, dk/dv, dq) BlockSizes: ``tiles`` (kernel -> (m, n, warps, stages)) over
-    the defaults for ``dim``; None when ``tiles`` is empty (the kernels' own choice)."""
-    if not tiles:
+    the defaults for ``dim``, with ``lead`` (kernel -> launch order, ``BlockSizes.lead``) set;
+    None when both are empty (the kernels' own choice)."""
+    lead = lead or {}
+    if not tiles and not lead:
         return None
+    import dataclasses
+
     from hstu_kernels.triton import BlockSizes
     from hstu_kernels.triton._launch import default_block_sizes
 
     return tuple(
-        BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, k)
+        dataclasses.replace(
+            BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, k), lead=lead.get(k)
+        )
         for k in ("fwd", "dkdv", "dq")
     )
 
@@ -101,7 +108,7 @@ def _parse_tiles(items: list[str]) -> dict:
 
 def _torch_case(
     lengths, cand, ctx, max_seqlen, heads, dim, timed, profile=False, backward=None, tiles=None,
-    exact_rows=False,
+    exact_rows=False, lead=None,
 ):  # fmt: skip
     import torch
     from hstu_kernels.triton import hstu_attention  # the function, whatever loaded first
@@ -119,8 +126,8 @@ def _torch_case(
         kw["num_candidates"] = torch.tensor(cand, device=dev)
     if backward is not None:  # absent: the kernels' default (and a tree without the option)
         kw["backward"] = backward
-    if tiles:
-        kw["block_sizes"] = _torch_tiles(tiles, dim)
+    if tiles or lead:
+        kw["block_sizes"] = _torch_tiles(tiles, dim, lead)
 
     def fwd():
         with torch.no_grad():
@@ -277,15 +284,16 @@ def main(argv=None) -> None:
     ap.add_argument("--tiles", nargs="*", default=[],
                     help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
     ap.add_argument("--lead", nargs="*", default=[],
-                    help="jax, mosaic: KERNEL=N, launch order (MosaicTiles.lead)")  # fmt: skip
+                    help="torch / jax mosaic: KERNEL=N, the launch order (lead)")  # fmt: skip
     ap.add_argument("--exact-rows", action="store_true",
                     help="arrays of exactly the batch's tokens (default: a capacity)")  # fmt: skip
     args = ap.parse_args(argv)
     tiles = _parse_tiles(args.tiles)
     lead = _parse_lead(args.lead)
-    if lead and (args.backend != "jax" or args.lowering != "mosaic"):
+    if lead and args.backend == "jax" and args.lowering != "mosaic":
         raise SystemExit(
-            "--lead: the Mosaic kernels' launch order (--backend jax --lowering mosaic)"
+            "--lead: the launch order of torch's Triton kernels or of the Mosaic ones "
+            "(--backend jax --lowering mosaic)"
         )
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
     if lead:
@@ -303,7 +311,9 @@ def main(argv=None) -> None:
         shape = (lengths, cand, ctx, max_seqlen, args.heads, args.dim)
         profile = args.profile is not None and (not args.profile or name in args.profile)
         if args.backend == "torch":
-            f_ms, fb_ms = _torch_case(*shape, timed, profile, args.backward, tiles, args.exact_rows)
+            f_ms, fb_ms = _torch_case(
+                *shape, timed, profile, args.backward, tiles, args.exact_rows, lead
+            )
         else:
             f_ms, fb_ms = _jax_case(
                 *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows, lead

@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
-#                                               attnprof
+#                                               attnprof order
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -245,6 +245,23 @@ print('torchrec', torchrec.__version__)" ;;
           for mode in split fused; do
             run "bwd_${dim}_${mode}_$round" python scripts/attention_jagged.py --backend torch \
               --dim $dim --backward $mode ${BWD_ARGS:-}
+          done
+        done
+      done ;;
+    order)
+      # the attention kernels' launch order (kernels/README.md, "Dispatch order"): each
+      # backend's kernels (torch's Triton, jax's Mosaic) at head dim $ORDER_DIM with every
+      # kernel's --lead set to each of $ORDER_LEADS in turn (the first N schedule entries with
+      # their heads together, then head by head), after the kernels' own order, $ORDER_ROUNDS
+      # alternating rounds
+      for round in $(seq ${ORDER_ROUNDS:-1}); do
+        for backend in ${ORDER_BACKENDS:-torch jax}; do
+          extra=""; [ $backend = jax ] && extra="--lowering mosaic"
+          for lead in default ${ORDER_LEADS:-0 16 33 66}; do
+            order=(); [ $lead = default ] || order=(--lead fwd=$lead dq=$lead dkdv=$lead)
+            run "order_${backend}_${lead}_$round" python scripts/attention_jagged.py \
+              --backend $backend $extra --dim ${ORDER_DIM:-256} --equal 8x4096 --calls 10 \
+              --rounds 3 "${order[@]}"
           done
         done
       done ;;

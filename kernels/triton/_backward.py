@@ -89,7 +89,7 @@ def _dkdv_program(
     Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -100,7 +100,7 @@ def _dkdv_program(
     and with FUSED each tile's dq share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO
     read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles."""
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     ts_lo = 0
     if HAS_TIME:
@@ -170,7 +170,7 @@ def _hstu_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -180,8 +180,8 @@ def _hstu_bwd_dkdv_kernel(
     _dkdv_program(
         Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G, H,
-        P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G,
+        Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
         HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA,
     )  # fmt: skip
 
@@ -191,7 +191,7 @@ def _hstu_bwd_fused_kernel(
     Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -204,7 +204,7 @@ def _hstu_bwd_fused_kernel(
         Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
-        stride_dqh, Sched, G, H, P, TB, alpha, inv_norm, DQK,
+        stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK,
         DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
         FAST, True, OUT_LIKE_IN, TMA,
     )  # fmt: skip
@@ -319,7 +319,7 @@ def _dq_tile(
 def _hstu_bwd_dq_kernel(
     Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime, DRabPos, DRabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
@@ -327,7 +327,7 @@ def _hstu_bwd_dq_kernel(
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     ts_lo = 0
     if HAS_TIME:

@@ -241,12 +241,18 @@ def _zero_tail_kernel(
 
 @triton.jit
 def _sample_info(
-    pid, H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr
+    pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr,
 ):  # fmt: skip
     """The program's block, head and sample (start, length n, contextual C, history end) from
-    the launch's schedule table; ``n = 0`` for a program with nothing to do."""
-    j = pid // H
-    h = pid % H
+    the launch's schedule table; ``n = 0`` for a program with nothing to do. Programs go out
+    in ``pid`` order: the table's first ``Lead`` entries (``Lead <= G``) with their heads
+    together, then the rest head by head (``BlockSizes.lead``)."""
+    front = pid < Lead * H
+    back = pid - Lead * H
+    rest = tl.maximum(G - Lead, 1)
+    j = tl.where(front, pid // H, Lead + back % rest)
+    h = tl.where(front, pid % H, back // rest)
     blk = tl.load(Sched + j)
     b = tl.load(Sched + G + j)
     seq_start = tl.load(SeqOffsets + b)

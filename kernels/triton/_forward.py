@@ -51,14 +51,14 @@ def _fwd_tile(
 def _hstu_fwd_kernel(
     Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_rp, stride_rt, Sched, G, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     ts_lo = 0
     if HAS_TIME:

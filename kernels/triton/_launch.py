@@ -33,12 +33,17 @@ def is_interpret_mode() -> bool:
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Tiling tunables. ``block_m``: query rows per tile, ``block_n``: key rows per tile."""
+    """Tiling tunables. ``block_m``: query rows per tile, ``block_n``: key rows per tile.
+    ``lead``: the launch order over the heaviest-first schedule (``kernels/schedule.py``),
+    which the GPU dispatches in turn: its first ``lead`` entries with their heads together, the
+    rest head by head (0: all head by head); None: every entry with its heads (the order
+    timed; the Mosaic kernels' ``MosaicTiles.lead`` is the same knob)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    lead: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -51,6 +56,8 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.num_stages must be a positive int, got {self.num_stages!r}"
             )
+        if self.lead is not None and (not isinstance(self.lead, int) or self.lead < 0):
+            raise ValueError(f"BlockSizes.lead must be None or an int >= 0, got {self.lead!r}")
 
 
 INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
@@ -261,6 +268,12 @@ def _common_meta(q, v, nc_, nk_, rp_, has_time: int, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
+def _lead(bs: BlockSizes, G: int) -> int:
+    """Schedule entries whose programs go out with their heads together before the rest go
+    out head by head (``BlockSizes.lead``; None: every entry, the order timed)."""
+    return G if bs.lead is None else min(bs.lead, G)
+
+
 def _schedule(
     so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool,
     on_device: bool | None = None,
@@ -393,7 +406,7 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
                 rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-                table, G, H, P, TB, float(alpha), 1.0 / float(normalizer), TMA=tma,
+                table, G, _lead(bs, G), H, P, TB, float(alpha), 1.0 / float(normalizer), TMA=tma,
                 **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
             )  # fmt: skip
         _zero_tail(out, so)
@@ -450,7 +463,8 @@ def _bwd_impl(
                 for has_time in paths:
                     _hstu_bwd_fused_kernel[grid](
                         q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, tsr, rp, rt,
-                        *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G, H,
+                        *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G,
+                        _lead(dkdv_bs, G), H,
                         *scalars, OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
@@ -458,7 +472,7 @@ def _bwd_impl(
                 for has_time in paths:
                     _hstu_bwd_dkdv_kernel[grid](
                         q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
-                        *inputs, *dkdv_out, *tables, table, G, H, *scalars,
+                        *inputs, *dkdv_out, *tables, table, G, _lead(dkdv_bs, G), H, *scalars,
                         OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
@@ -473,7 +487,8 @@ def _bwd_impl(
                     _hstu_bwd_dq_kernel[grid](
                         q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
-                        *inputs, dq.stride(0), dq.stride(1), *tables, table, G, H, *scalars,
+                        *inputs, dq.stride(0), dq.stride(1), *tables, table, G, _lead(dq_bs, G), H,
+                        *scalars,
                         BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
                         TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),

@@ -45,7 +45,6 @@ Design
   slower on 8 x 4096).
 """
 
-import dataclasses
 import math
 
 import torch
@@ -71,9 +70,29 @@ __all__ = ["BlockSizes", "hstu_attention", "hstu_uvqk_attention", "is_interpret_
 # ----------------------------------------------------------------------------------------------
 
 
+def _pack_blocks(tiles) -> list[int]:
+    """The ops' int list of the forward, dk/dv and dq kernels' BlockSizes: 5 ints each, the
+    launch order's ``lead`` last (-1 for None)."""
+    return [
+        x
+        for bs in tiles
+        for x in (
+            bs.block_m,
+            bs.block_n,
+            bs.num_warps,
+            bs.num_stages,
+            -1 if bs.lead is None else bs.lead,
+        )
+    ]
+
+
 def _unpack_blocks(blocks: list[int]) -> tuple[BlockSizes, tuple[BlockSizes, BlockSizes]]:
-    """``blocks``: forward, dk/dv and dq kernel tiles, 4 ints each."""
-    return BlockSizes(*blocks[:4]), (BlockSizes(*blocks[4:8]), BlockSizes(*blocks[8:12]))
+    """The BlockSizes ``_pack_blocks`` packed: forward, (dk/dv, dq)."""
+    fwd, dkdv, dq = (
+        BlockSizes(*blocks[i : i + 4], lead=None if blocks[i + 4] < 0 else blocks[i + 4])
+        for i in (0, 5, 10)
+    )
+    return fwd, (dkdv, dq)
 
 
 @torch.library.custom_op("hstu::hstu_attention_fwd", mutates_args=())
@@ -93,7 +112,7 @@ def hstu_attention_fwd(
     blocks: list[int],
     backward: str,
 ) -> torch.Tensor:
-    """Forward op. ``blocks`` = the BlockSizes fields of the forward, dk/dv and dq kernels;
+    """Forward op. ``blocks`` = the forward, dk/dv and dq kernels' tiles (``_pack_blocks``);
     ``backward`` = the backward mode ("split" / "fused"), kept for the backward op."""
     fwd_bs, _ = _unpack_blocks(blocks)
     return _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
@@ -398,7 +417,7 @@ def _op_args(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp
     mode = _resolve_backward(backward, q, v, rp, rt)
     table_grads = any(t is not None and t.requires_grad for t in (rp, rt))
     fwd_bs, dkdv_bs, dq_bs = _resolve_blocks(block_sizes, q, v, mode, table_grads)
-    blocks = [x for bs in (fwd_bs, dkdv_bs, dq_bs) for x in dataclasses.astuple(bs)]
+    blocks = _pack_blocks((fwd_bs, dkdv_bs, dq_bs))
     return (q, k, v, seq_offsets, max_seqlen, float(alpha), float(normalizer), nc, nk,
             ts if rt is not None else None, rp, rt, blocks, mode)  # fmt: skip
 

@@ -315,9 +315,9 @@ def test_attention_jagged_times_batches_at_a_training_capacity(capsys):
 
 
 def test_attention_jagged_sets_the_mosaic_launch_order_per_kernel():
-    """`--lead KERNEL=N` sets that Mosaic kernel's `MosaicTiles.lead` over its default tiles,
-    the others keep theirs; a malformed item, or a backend without those kernels, is refused
-    before anything runs."""
+    """`--lead KERNEL=N` sets that kernel's launch order (`MosaicTiles.lead`, torch's
+    `BlockSizes.lead`) over its default tiles, the others keep theirs; a malformed item, or the
+    jax Triton lowering (no such knob), is refused before anything runs."""
     pytest.importorskip("jax")
     script = load_script("attention_jagged")
     assert script._parse_lead(["fwd=0", "dq=33"]) == {"fwd": 0, "dq": 33}
@@ -325,9 +325,12 @@ def test_attention_jagged_sets_the_mosaic_launch_order_per_kernel():
     fwd, dq, dkdv = script._mosaic_tiles({"dq": 5}, 256)
     assert (fwd.lead, dq.lead, dkdv.lead) == (None, 5, None)
     assert dq.block_kv == 32  # dq's own default tiles at head dim 256 (shared memory)
+    pytest.importorskip("triton")
+    fwd, dkdv, dq = script._torch_tiles({"dq": (32, 32, 4, 1)}, 128, {"fwd": 0, "dq": 7})
+    assert (fwd.lead, dkdv.lead, dq.lead) == (0, None, 7) and dq.block_m == 32
+    assert script._torch_tiles({}, 128, {}) is None
     for bad in (["dq=-1"], ["attn=3"], ["dq"]):
         with pytest.raises(SystemExit, match="--lead"):
             script._parse_lead(bad)
-    for backend in (["--backend", "torch"], ["--backend", "jax", "--lowering", "triton"]):
-        with pytest.raises(SystemExit, match="--lead"):
-            script.main([*backend, "--lead", "dq=1", "--no-recipe", "--equal", "1x8"])
+    with pytest.raises(SystemExit, match="--lead"):
+        script.main(["--backend", "jax", "--lowering", "triton", "--lead", "dq=1", "--no-recipe"])

@@ -100,11 +100,11 @@ SHAPES = {
         TB=8,
         blocks={
             "default": BlockSizes(16, 16, 1, 1),
-            # forward, dk/dv and dq kernels each with tiles of their own
+            # forward, dk/dv and dq kernels each with tiles and a launch order of their own
             "uneven": (
-                BlockSizes(32, 16, 1, 1),
-                BlockSizes(16, 32, 1, 1),
-                BlockSizes(32, 16, 1, 1),
+                BlockSizes(32, 16, 1, 1, lead=1),
+                BlockSizes(16, 32, 1, 1, lead=0),
+                BlockSizes(32, 16, 1, 1, lead=2),
             ),
         },
     ),
@@ -122,9 +122,9 @@ SHAPES = {
         blocks={
             "default": None,
             "uneven": (  # fp32: FMA dots
-                BlockSizes(32, 64, 4, 1),
-                BlockSizes(64, 32, 4, 1),
-                BlockSizes(32, 32, 4, 1),
+                BlockSizes(32, 64, 4, 1, lead=3),
+                BlockSizes(64, 32, 4, 1, lead=0),
+                BlockSizes(32, 32, 4, 1, lead=5),
             ),
         },
     ),
@@ -729,7 +729,8 @@ def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch, s
     q, k, v = (torch.randn(20, 2, 16, generator=gen).to(dev) for _ in range(3))
     offs = torch.tensor([0, 7, 18], device=dev)
     rab_pos = torch.randn(2, 8, generator=gen).to(dev)
-    blocks = [16, 16, 1, 1, 16, 16, 1, 1] if mode == "interpret" else [64, 64, 4, 2] * 2
+    tile = BlockSizes(16, 16, 1, 1) if mode == "interpret" else BlockSizes(64, 64, 4, 2)
+    blocks = hstu_attention_module._pack_blocks((tile, tile, tile))
     args = (q, k, v, offs, 16, 0.5, 16.0, None, None, None, rab_pos, None, blocks, backward)
     torch.library.opcheck(hstu_attention_fwd, args)
     if backward == "fused":
@@ -951,3 +952,19 @@ def test_hstu_attention_seqlen_4096_bf16(with_masks):
     _assert_close(out, ref, tol, "out")
     for name, g, rg in zip("qkv", (dq, dk, dv), ref_grads):
         _assert_close(g, rg, tol, f"d{name}")
+
+
+def test_block_sizes_name_a_bad_field_and_travel_through_the_ops_with_their_launch_order():
+    for bad, field in (
+        (dict(block_m=48), "block_m"),
+        (dict(num_warps=0), "num_warps"),
+        (dict(num_stages=0), "num_stages"),
+        (dict(lead=-1), "lead"),
+    ):
+        with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+            BlockSizes(**bad)
+    tiles = (BlockSizes(32, 16, 1, 1, lead=3), BlockSizes(16, 32), BlockSizes(64, 64, 8, 3, lead=0))
+    packed = hstu_attention_module._pack_blocks(tiles)
+    assert all(isinstance(x, int) for x in packed)  # the torch.library ops take int lists
+    fwd, (dkdv, dq) = hstu_attention_module._unpack_blocks(packed)
+    assert (fwd, dkdv, dq) == tiles
