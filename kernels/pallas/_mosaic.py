@@ -93,9 +93,10 @@ class MosaicTiles:
     launch order of the CTAs over the heaviest-first schedule (``kernels/schedule.py``), which
     the GPU dispatches in turn: its first ``lead`` entries with their heads together, the rest
     head by head (0: all head by head); None: the kernel's measured default, the forward 0,
-    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order").
-    ``persistent``: 0, one CTA per entry and head; N > 0 (forward and dq), N CTAs, each
-    taking every N-th of those items in launch order, its producer streaming the next
+    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order"); every
+    entry with its heads for persistent CTAs.
+    ``persistent``: 0, one CTA per entry and head; N > 0 (forward and dq), N CTAs, the items
+    of the launch order dealt out to them in rounds, each CTA's producer streaming the next
     item's key / value tiles while the consumers finish the current one (the CTA's launch
     and the pipeline's fill paid once per CTA; built, not yet timed)."""
 
@@ -205,12 +206,21 @@ def _entry_and_head(cta, num: int, heads: int, lead: int):
 def _items_of(cta, num: int, heads: int, lead: int, ctas: int):
     """``(items, item_of)`` of CTA ``cta``: ``item_of(i)`` is the (entry, head) of its i-th
     item. One CTA per entry and head (``ctas`` 0): ``items`` None, the CTA's own; persistent
-    (``ctas`` CTAs, at most ``num * heads``): the launch order's items ``cta``, ``cta +
-    ctas``, ..., ``items`` of them (traced)."""
+    (``ctas`` CTAs, at most ``num * heads``): the launch order dealt out in rounds of
+    ``ctas`` items, every other round in reverse (round r gives CTA c item ``r * ctas + c``,
+    or ``r * ctas + ctas - 1 - c``), so the CTA that takes a round's heaviest item takes the
+    next round's lightest; ``items`` of them (traced)."""
     if not ctas:
         return None, lambda i: _entry_and_head(cta, num, heads, lead)
-    items = lax.div(num * heads - 1 - cta, jnp.int32(ctas)) + 1
-    return items, lambda i: _entry_and_head(cta + i * ctas, num, heads, lead)
+    rounds, left = divmod(num * heads, ctas)  # whole rounds, and the last one's items
+    in_last = (cta < left) if rounds % 2 == 0 else (cta >= ctas - left)
+    items = rounds + in_last.astype(jnp.int32)
+
+    def item_of(i):
+        col = jnp.where(lax.rem(i, jnp.int32(2)) == 0, cta, ctas - 1 - cta)
+        return _entry_and_head(i * ctas + col, num, heads, lead)
+
+    return items, item_of
 
 
 def _key_steps(qs, bq: int, bk: int, n, c, hist):
@@ -684,8 +694,10 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     # backward -3 to -15 % on bench_upstream's batches, +4-6 % on 8 x 4096. The forward goes
     # head by head: entry by entry measured 4-5 % slower for it (kernels/README.md, "Dispatch
     # order").
-    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" else num)
     ctas = min(tiles.persistent, num * heads)
+    # persistent CTAs deal the items out in rounds, which balance only when every head's
+    # heaviest entries come first: entry by entry there
+    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" and not ctas else num)
     order = (num, heads, lead, ctas)
     # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
     t_buf = smem((2, bq, bk), q.dtype) if interpreted else None

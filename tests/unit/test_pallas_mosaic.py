@@ -184,6 +184,23 @@ def test_bad_lowering_choices_are_named():
         MosaicTiles(persistent=-2)
 
 
+@pytest.mark.parametrize(("total", "ctas"), [(28, 3), (28, 4), (28, 5), (28, 28), (12, 7)])
+def test_persistent_ctas_deal_every_item_once_in_alternating_rounds(total, ctas):
+    """A persistent launch's `ctas` CTAs take every item of the launch order once: round r
+    deals items r * ctas ... r * ctas + ctas - 1, every other round in reverse."""
+    heads = 4
+    num = total // heads
+    dealt = []
+    for cta in range(ctas):
+        items, item_of = _mosaic._items_of(jnp.int32(cta), num, heads, num, ctas)
+        order = [int(e) * heads + int(h) for e, h in (item_of(jnp.int32(i)) for i in range(items))]
+        assert all(r * ctas <= x < (r + 1) * ctas for r, x in enumerate(order))  # one a round
+        assert all(x % ctas == (cta if r % 2 == 0 else ctas - 1 - cta)
+                   for r, x in enumerate(order))  # fmt: skip
+        dealt += order
+    assert sorted(dealt) == list(range(total))
+
+
 @pytest.mark.parametrize("lead", [0, 1, 5, 7, 30])
 def test_launch_order_takes_every_entry_and_head_once(lead):
     """CTA i of the launch (dispatched in turn) works on `_entry_and_head(i)`: the first `lead`
