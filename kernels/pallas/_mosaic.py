@@ -265,8 +265,8 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
         q0 = blk * (2 * bq)
         steps0 = _key_steps(q0, bq, bk, n, c, hist)
         steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist)
-        # TMA tiles start on multiples of 8 rows: `start` counts them
         cta_steps = jnp.maximum(steps0, steps1)
+        # TMA tiles start on multiples of 8 rows: `start` counts them
         return dict(j=j, h=h, start=start * 8, n=n, c=c, hist=hist, dead=dead, q0=q0,
                     steps0=steps0, steps1=steps1, cta_steps=cta_steps)  # fmt: skip
 
