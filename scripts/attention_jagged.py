@@ -12,7 +12,6 @@
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
         [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
                                       keep their defaults)
-        [--persistent N]             (jax, mosaic: the forward and dq in N persistent CTAs)
         [--exact-rows]               (arrays of exactly the batch's tokens, not a capacity)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
@@ -202,29 +201,24 @@ def _parse_lead(items: list[str]) -> dict:
     return out
 
 
-def _mosaic_tiles(lead: dict, dim: int, persistent: int = 0):
+def _mosaic_tiles(lead: dict, dim: int):
     """The (forward, dq, dk/dv) MosaicTiles: the defaults for ``dim`` with ``lead`` (kernel ->
-    entries launched with their heads) set, and the forward and dq ``persistent`` CTAs; None
-    when neither is asked for (the defaults)."""
-    if not lead and not persistent:
+    entries launched with their heads) set; None when ``lead`` is empty (the defaults)."""
+    if not lead:
         return None
     import dataclasses
 
     from hstu_kernels.pallas import _mosaic
 
     return tuple(
-        dataclasses.replace(
-            _mosaic.default_tiles(kind, dim, dim),
-            lead=lead.get(kind),
-            persistent=persistent if kind != "dkdv" else 0,
-        )
+        dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), lead=lead.get(kind))
         for kind in _mosaic.KINDS
     )
 
 
 def _jax_case(
     lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False,
-    exact_rows=False, lead=None, persistent=0,
+    exact_rows=False, lead=None,
 ):  # fmt: skip
     import jax
     import jax.numpy as jnp
@@ -247,14 +241,7 @@ def _jax_case(
     # the kernels' schedule (and dO's padding) into the program at compile time
     def attn(q, k, v, offs, extra):
         return hstu_attention(
-            q,
-            k,
-            v,
-            offs,
-            **kw,
-            **extra,
-            lowering=lowering,
-            mosaic_tiles=_mosaic_tiles(lead or {}, dim, persistent),
+            q, k, v, offs, **kw, **extra, lowering=lowering, mosaic_tiles=_mosaic_tiles(lead, dim)
         )
 
     def attn_and_grads(q, k, v, offs, extra, g):
@@ -298,8 +285,6 @@ def main(argv=None) -> None:
                     help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
     ap.add_argument("--lead", nargs="*", default=[],
                     help="torch / jax mosaic: KERNEL=N, the launch order (lead)")  # fmt: skip
-    ap.add_argument("--persistent", type=int, default=0, metavar="N",
-                    help="jax, mosaic: forward and dq in N persistent CTAs")  # fmt: skip
     ap.add_argument("--exact-rows", action="store_true",
                     help="arrays of exactly the batch's tokens (default: a capacity)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -310,11 +295,7 @@ def main(argv=None) -> None:
             "--lead: the launch order of torch's Triton kernels or of the Mosaic ones "
             "(--backend jax --lowering mosaic)"
         )
-    if args.persistent and (args.backend != "jax" or args.lowering != "mosaic"):
-        raise SystemExit("--persistent: the Mosaic kernels' (--backend jax --lowering mosaic)")
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
-    if args.persistent:
-        fwd_name += f", forward and dq in {args.persistent} persistent CTAs"
     if lead:
         fwd_name += ", lead " + " ".join(args.lead)
     if args.backend == "torch" and args.backward:
@@ -335,14 +316,7 @@ def main(argv=None) -> None:
             )
         else:
             f_ms, fb_ms = _jax_case(
-                *shape,
-                args.calls,
-                args.rounds,
-                args.lowering,
-                profile,
-                args.exact_rows,
-                lead,
-                args.persistent,
+                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows, lead
             )
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "

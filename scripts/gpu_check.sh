@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
-#                                               attnprof order persist
+#                                               attnprof order
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -265,25 +265,6 @@ print('torchrec', torchrec.__version__)" ;;
           done
         done
       done ;;
-    persist)
-      # the persistent Mosaic forward and dq (MosaicTiles.persistent, kernels/README.md):
-      # compiled against the reference first (head dim 256, with and without), then timed
-      # against the CTA-per-item kernels at head dims $PERSIST_DIMS with $PERSIST_CTAS CTAs,
-      # alternating $PERSIST_ROUNDS rounds, on the recipe's batches and equal ones;
-      # $PERSIST_ARGS: more options for the persistent runs (e.g. "--lead fwd=0")
-      run mosaic_persistent_tests python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
-        -k "match_the_reference and 256"
-      if [ "$status" = ok ]; then
-        for round in $(seq ${PERSIST_ROUNDS:-2}); do
-          for dim in ${PERSIST_DIMS:-256}; do
-            for n in 0 ${PERSIST_CTAS:-132}; do
-              run "persist_${dim}_${n}_$round" python scripts/attention_jagged.py --backend jax \
-                --lowering mosaic --dim $dim --equal 8x4096 128x256 16x256 64x256 --calls 10 \
-                --rounds 3 --persistent $n $([ $n = 0 ] || echo ${PERSIST_ARGS:-})
-            done
-          done
-        done
-      fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the
       # recipe's batch of short samples) and on one 4096-token sample (scripts/attention_jagged.py

@@ -9,9 +9,7 @@ Each kernel runs one CTA per head and per (block, sample) pair, heaviest first
 (``kernels/schedule.py``), with three warp groups: warp group 2 (producer) streams tiles of
 the sample through ``stages`` shared-memory slots with TMA, refilling a slot once both
 consumers released it; warp groups 0 and 1 (consumers) run the matmuls on wgmma with the
-elementwise work in registers. HSTU's SiLU needs no running maximum: no rescaling. The order
-the CTAs go out in, and persistent forward / dq CTAs that take several such items each, are
-``MosaicTiles``' ``lead`` and ``persistent``.
+elementwise work in registers. HSTU's SiLU needs no running maximum: no rescaling.
 
 * Forward and dq (query-major, block ``2 * block_q``): the producer streams key / value
   tiles; each consumer owns ``block_q`` query rows. Forward, per key tile: ``S = q k^T``,
@@ -93,18 +91,12 @@ class MosaicTiles:
     launch order of the CTAs over the heaviest-first schedule (``kernels/schedule.py``), which
     the GPU dispatches in turn: its first ``lead`` entries with their heads together, the rest
     head by head (0: all head by head); None: the kernel's measured default, the forward 0,
-    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order"); every
-    entry with its heads for persistent CTAs.
-    ``persistent``: 0, one CTA per entry and head; N > 0 (forward and dq), N CTAs, the items
-    of the launch order dealt out to them in rounds, each CTA's producer streaming the next
-    item's key / value tiles while the consumers finish the current one (the CTA's launch
-    and the pipeline's fill paid once per CTA; built, not yet timed)."""
+    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order")."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
     lead: int | None = None
-    persistent: int = 0
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -117,10 +109,6 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.stages: expected an int >= 2, got {self.stages!r}")
         if self.lead is not None and (not isinstance(self.lead, int) or self.lead < 0):
             raise ValueError(f"MosaicTiles.lead: expected None or an int >= 0, got {self.lead!r}")
-        if not isinstance(self.persistent, int) or self.persistent < 0:
-            raise ValueError(
-                f"MosaicTiles.persistent: expected an int >= 0, got {self.persistent!r}"
-            )
 
 
 _Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
@@ -161,8 +149,6 @@ def supports(dtype, d_qk: int, d_v: int, has_bias: bool, tiles) -> str | None:
         if d % 64 or not 64 <= d <= 256:
             return f"{name}={d} (a multiple of 64 up to 256)"
     for kind, t in zip(KINDS, full_tiles(tiles, d_qk, d_v), strict=True):
-        if kind == "dkdv" and t.persistent:
-            return "dkdv tiles: no persistent dk / dv kernel (forward and dq only)"
         if smem_bytes(kind, t, d_qk, d_v) > _SMEM_BYTES:
             return f"{kind} tiles {t} need {smem_bytes(kind, t, d_qk, d_v)} bytes of shared memory"
     if plgpu is None or InterpretGPUParams is None:
@@ -203,26 +189,6 @@ def _entry_and_head(cta, num: int, heads: int, lead: int):
     )
 
 
-def _items_of(cta, num: int, heads: int, lead: int, ctas: int):
-    """``(items, item_of)`` of CTA ``cta``: ``item_of(i)`` is the (entry, head) of its i-th
-    item. One CTA per entry and head (``ctas`` 0): ``items`` None, the CTA's own; persistent
-    (``ctas`` CTAs, at most ``num * heads``): the launch order dealt out in rounds of
-    ``ctas`` items, every other round in reverse (round r gives CTA c item ``r * ctas + c``,
-    or ``r * ctas + ctas - 1 - c``), so the CTA that takes a round's heaviest item takes the
-    next round's lightest; ``items`` of them (traced)."""
-    if not ctas:
-        return None, lambda i: _entry_and_head(cta, num, heads, lead)
-    rounds, left = divmod(num * heads, ctas)  # whole rounds, and the last one's items
-    in_last = (cta < left) if rounds % 2 == 0 else (cta >= ctas - left)
-    items = rounds + in_last.astype(jnp.int32)
-
-    def item_of(i):
-        col = jnp.where(lax.rem(i, jnp.int32(2)) == 0, cta, ctas - 1 - cta)
-        return _entry_and_head(i * ctas + col, num, heads, lead)
-
-    return items, item_of
-
-
 def _key_steps(qs, bq: int, bk: int, n, c, hist):
     """Key tiles query rows [qs, qs + bq) of a sample need: history keys up to the last row
     (all of them when a row is contextual), and the rows' own positions (candidates see
@@ -234,9 +200,7 @@ def _key_steps(qs, bq: int, bk: int, n, c, hist):
 
 def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interpreted):
     """One CTA: ``2 x block_q`` query rows of one sample and head (``kind`` "fwd": the
-    attention output; "dq": the query gradient, ``refs`` then also hold dO); persistent
-    (``MosaicTiles.persistent``): such an item after another, the key / value slots one ring
-    across them."""
+    attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
     if kind == "fwd":
         q_ref, k_ref, v_ref, o_ref, scoped = refs
@@ -250,25 +214,18 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
     k_free, v_free = frees
     dtype = q_ref.dtype
     d_out = o_ref.shape[-1]
+    j, h = _entry_and_head(lax.axis_index("cta"), *order)
     wg = lax.axis_index("wg")
-    items, item_of = _items_of(lax.axis_index("cta"), *order)
-
-    def item_info(i):
-        """Item ``i`` of this CTA: its entry and head, the sample's rows in the frame the
-        tiles see (``dead`` rows of the previous sample, then its own: row r of the frame is
-        the sample's r - dead; context only where the sample has some), the key tiles each
-        consumer's rows need and the CTA streams."""
-        j, h = item_of(i)
-        start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
-        n, hist = n + dead, hist + dead
-        c = jnp.where(c > 0, c + dead, 0)
-        q0 = blk * (2 * bq)
-        steps0 = _key_steps(q0, bq, bk, n, c, hist)
-        steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist)
-        cta_steps = jnp.maximum(steps0, steps1)
-        # TMA tiles start on multiples of 8 rows: `start` counts them
-        return dict(j=j, h=h, start=start * 8, n=n, c=c, hist=hist, dead=dead, q0=q0,
-                    steps0=steps0, steps1=steps1, cta_steps=cta_steps)  # fmt: skip
+    start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
+    start = start * 8  # TMA tiles start on multiples of 8 rows
+    # The sample in the frame the tiles see: `dead` rows of the previous sample, then its own
+    # (row i of the frame is the sample's i - dead); context only where the sample has some.
+    n, hist = n + dead, hist + dead
+    c = jnp.where(c > 0, c + dead, 0)
+    q0 = blk * (2 * bq)
+    steps0 = _key_steps(q0, bq, bk, n, c, hist)
+    steps1 = _key_steps(q0 + bq, bq, bk, n, c, hist)
+    cta_steps = jnp.maximum(steps0, steps1)
 
     def iota(dim):  # jax 0.10's interpreter has no layout casts
         if interpreted:
@@ -283,19 +240,29 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
         plgpu.wgmma(s_ref, a, b)
         return s_ref
 
-    def slot_of(base, kv):
-        return lax.rem(base + kv, jnp.int32(stages))
+    def accumulate(t16, b_smem, acc_ref, kv, free, steps):
+        """A step's last matmul ``acc += t16 @ b`` (``_mma_from_registers``), then: wait for
+        the next key tile, drain the wgmma and release ``free``, the slot it read."""
+        _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted)
+        nxt = kv + 1
 
-    def consume(it, base):
-        """The consumer's share of one item whose first key tile is the ring's ``base``-th."""
+        @pl.when(nxt < steps)
+        def _():
+            plgpu.barrier_wait(k_full.at[lax.rem(nxt, jnp.int32(stages))])
+
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(free)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
         q_smem = q_smem2.at[wg]
-        qs = it["q0"] + wg * bq
-        dead, hist, c = it["dead"], it["hist"], it["c"]
-        steps = jnp.where(wg == 0, it["steps0"], it["steps1"])
-        rows = pl.ds(it["start"] + qs, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, it["h"]], q_smem, q_full.at[wg])
+        qs = q0 + wg * bq
+        steps = jnp.where(wg == 0, steps0, steps1)
+        rows = pl.ds(start + qs, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem, q_full.at[wg])
         if do_ref is not None:
-            plgpu.copy_gmem_to_smem(do_ref.at[rows, it["h"]], do_smem2.at[wg], do_full.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem2.at[wg], do_full.at[wg])
             plgpu.barrier_wait(do_full.at[wg])
         plgpu.barrier_wait(q_full.at[wg])
         pl.when(wg == 1)(take_turn)
@@ -310,19 +277,6 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
             i = qs + iota(0)
             jj = kv * bk + iota(1)
             return (jj >= dead) & ((i == jj) | ((jj < hist) & ((jj <= i) | (i < c))))
-
-        def accumulate(t16, b_smem, acc_ref, kv, free):
-            """A step's last matmul ``acc += t16 @ b`` (``_mma_from_registers``), then: wait
-            for the next key tile, drain the wgmma and release ``free``, the slot it read."""
-            _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted)
-            nxt = kv + 1
-
-            @pl.when(nxt < steps)
-            def _():
-                plgpu.barrier_wait(k_full.at[slot_of(base, nxt)])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free)
 
         def fwd_step(acc_ref, kv, slot, masked):
             def scores(s_ref):
@@ -342,7 +296,7 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
             plgpu.barrier_arrive(turn)  # done with the elementwise work
             plgpu.barrier_wait(v_full.at[slot])
             plgpu.barrier_wait(turn)  # the tensor cores are ours
-            accumulate(p16, v_smem.at[slot], acc_ref, kv, v_free.at[slot])
+            accumulate(p16, v_smem.at[slot], acc_ref, kv, v_free.at[slot], steps)
 
         def dq_step(acc_ref, kv, slot, masked):
             plgpu.barrier_wait(v_full.at[slot])
@@ -366,32 +320,32 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
             ds16 = ds.astype(dtype)
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
-            accumulate(ds16, k_smem.at[slot], acc_ref, kv, k_free.at[slot])
+            accumulate(ds16, k_smem.at[slot], acc_ref, kv, k_free.at[slot], steps)
 
         step = fwd_step if kind == "fwd" else dq_step
 
         @pl.when(steps > 0)
         def _():
-            plgpu.barrier_wait(k_full.at[slot_of(base, 0)])
+            plgpu.barrier_wait(k_full.at[0])
 
         def run(acc_ref):
             @pl.loop(0, first)
             def _(kv):
-                step(acc_ref, kv, slot_of(base, kv), masked=True)
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=True)
 
             @pl.loop(first, unmasked)
             def _(kv):
-                step(acc_ref, kv, slot_of(base, kv), masked=False)
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=False)
 
             @pl.loop(unmasked, steps)
             def _(kv):
-                step(acc_ref, kv, slot_of(base, kv), masked=True)
+                step(acc_ref, kv, lax.rem(kv, jnp.int32(stages)), masked=True)
 
             # Tiles only the other warp group needs: observe and release them, and keep
             # the turns even.
-            @pl.loop(steps, it["cta_steps"])
+            @pl.loop(steps, cta_steps)
             def _(kv):
-                slot = slot_of(base, kv)
+                slot = lax.rem(kv, jnp.int32(stages))
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -408,43 +362,19 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # TMA needs it contiguous
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        out_rows = pl.ds(it["j"] * 2 * bq + wg * bq, bq)
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[out_rows, it["h"]])
-        return base + it["cta_steps"]
-
-    @pl.when(wg < 2)
-    def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        if items is None:  # one item: the CTA's own
-            consume(item_info(0), 0)
-        else:
-
-            def one(i, base):
-                # the last item's output (read from q's tile where it is one) is out first
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                return consume(item_info(i), base)
-
-            lax.fori_loop(0, items, one, jnp.int32(0))
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * 2 * bq + wg * bq, bq), h])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def stream(i, base):
-            it = item_info(i)
+        def fetch(kv, slot):
+            rows = pl.ds(start + kv * bk, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_full.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_full.at[slot])
 
-            def fetch(kv, slot):
-                rows = pl.ds(it["start"] + kv * bk, bk)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, it["h"]], k_smem.at[slot], k_full.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, it["h"]], v_smem.at[slot], v_full.at[slot])
-
-            return _stream(fetch, it["cta_steps"], stages, (k_free, v_free), base)
-
-        if items is None:
-            _stream_end(stream(0, None), stages, (k_free, v_free))
-        else:
-            _stream_end(lax.fori_loop(0, items, stream, jnp.int32(0)), stages, (k_free, v_free))
+        _stream(fetch, cta_steps, stages, (k_free, v_free))
 
 
 def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) -> None:
@@ -458,13 +388,13 @@ def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) ->
         plgpu.wgmma(acc_ref, t16, b_smem)
 
 
-def _stream(fetch, steps, stages: int, frees, base=None):
+def _stream(fetch, steps, stages: int, frees) -> None:
     """The producer's loop over ``steps`` streamed tiles: ``fetch(step, slot)`` fills the first
     ``stages`` slots, then refills a slot once each barrier of ``frees`` says both consumers
-    released it. ``base``: None for a CTA's only item (its slots start empty), else the
-    ring's count of tiles streamed before this item (a persistent CTA's), whose slots are
-    waited for from the start. Returns the count after it (``steps`` for ``base`` None);
-    ``_stream_end`` then observes the last releases (every slot free when the block exits)."""
+    released it; the last releases are observed too (every slot is free when the block
+    exits)."""
+    for i in range(stages):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
 
     def released(s):
         slot = lax.rem(s, jnp.int32(stages))
@@ -472,37 +402,13 @@ def _stream(fetch, steps, stages: int, frees, base=None):
             plgpu.barrier_wait(free.at[slot])
         return slot
 
-    if base is None:
-        for i in range(stages):
-            pl.when(i < steps)(functools.partial(fetch, i, i))
-
-        @pl.loop(stages, steps)
-        def _(s):
-            fetch(s, released(s))
-
-        return steps
-
-    @pl.loop(0, steps)
+    @pl.loop(stages, steps)
     def _(s):
-        g = base + s
+        fetch(s, released(s))
 
-        @pl.when(g >= stages)
-        def _():
-            released(g)
-
-        fetch(s, lax.rem(g, jnp.int32(stages)))
-
-    return base + steps
-
-
-def _stream_end(total, stages: int, frees) -> None:
-    """Wait for the consumers' releases of the last ``stages`` of ``total`` streamed tiles."""
-
-    @pl.loop(jnp.maximum(total - stages, 0), total)
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
     def _(s):
-        slot = lax.rem(s, jnp.int32(stages))
-        for free in frees:
-            plgpu.barrier_wait(free.at[slot])
+        released(s)
 
 
 def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
@@ -531,7 +437,7 @@ def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
     (k_smem, v_smem, q_smem, do_smem, t_smem2), (kv_full, q_full, do_full), free, done = scoped
     bk, bq, stages = tiles.block_q, tiles.block_kv, tiles.stages
     dtype = q_ref.dtype
-    j, h = _entry_and_head(lax.axis_index("cta"), *order[:3])
+    j, h = _entry_and_head(lax.axis_index("cta"), *order)
     wg = lax.axis_index("wg")
     start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
     start = start * 8
@@ -643,7 +549,7 @@ def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
             plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem.at[slot], q_full.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem.at[slot], do_full.at[slot])
 
-        _stream_end(_stream(fetch, steps, stages, (free,)), stages, (free,))
+        _stream(fetch, steps, stages, (free,))
 
 
 def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, tiles, interpret):
@@ -694,11 +600,8 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     # backward -3 to -15 % on bench_upstream's batches, +4-6 % on 8 x 4096. The forward goes
     # head by head: entry by entry measured 4-5 % slower for it (kernels/README.md, "Dispatch
     # order").
-    ctas = min(tiles.persistent, num * heads)
-    # persistent CTAs deal the items out in rounds, which balance only when every head's
-    # heaviest entries come first: entry by entry there
-    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" and not ctas else num)
-    order = (num, heads, lead, ctas)
+    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" else num)
+    order = (num, heads, lead)
     # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
     t_buf = smem((2, bq, bk), q.dtype) if interpreted else None
     if key_major:
@@ -758,7 +661,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(ctas or num * heads,),
+        grid=(num * heads,),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",

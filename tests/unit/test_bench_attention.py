@@ -325,10 +325,6 @@ def test_attention_jagged_sets_the_mosaic_launch_order_per_kernel():
     fwd, dq, dkdv = script._mosaic_tiles({"dq": 5}, 256)
     assert (fwd.lead, dq.lead, dkdv.lead) == (None, 5, None)
     assert dq.block_kv == 32  # dq's own default tiles at head dim 256 (shared memory)
-    fwd, dq, dkdv = script._mosaic_tiles({}, 128, persistent=132)
-    assert (fwd.persistent, dq.persistent, dkdv.persistent) == (132, 132, 0)
-    with pytest.raises(SystemExit, match="--persistent"):
-        script.main(["--backend", "jax", "--persistent", "132", "--no-recipe"])
     pytest.importorskip("triton")
     fwd, dkdv, dq = script._torch_tiles({"dq": (32, 32, 4, 1)}, 128, {"fwd": 0, "dq": 7})
     assert (fwd.lead, dkdv.lead, dq.lead) == (0, None, 7) and dq.block_m == 32

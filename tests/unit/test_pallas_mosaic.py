@@ -18,7 +18,6 @@ callbacks: it needs at least 4 host devices' threads (``make test-mosaic`` sets 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np
@@ -77,12 +76,12 @@ def _reference(q, k, v, offs, **kw):
     return hstu_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), offs, **kw)
 
 
-def _lowered_for_cuda(kind: str, q, k, v, offs, kw, **fields) -> str:
-    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, default tiles with
-    ``fields`` set), lowered for CUDA."""
+def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
+    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, default tiles), lowered
+    for CUDA."""
     kw = dict(kw)
     ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
-    tiles = dataclasses.replace(_mosaic.default_tiles(kind, q.shape[2], v.shape[2]), **fields)
+    tiles = _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
 
     def f(q, k, v, offs, ctx, cand):
         if kind == "fwd":
@@ -103,8 +102,6 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw, **fields) -> str:
         # padded head dims; the forward's and dq's CTAs launched in a mixed order (`lead`)
         (32, 48, (MosaicTiles(block_kv=128, stages=3, lead=2), MosaicTiles(block_kv=32, lead=1))),
         (256, 128, None),  # the dq kernel takes 32-row key tiles here (shared memory)
-        # persistent forward and dq: 3 and 2 CTAs taking every 3rd / 2nd item in turn
-        (64, 64, (MosaicTiles(persistent=3), MosaicTiles(persistent=2, lead=1))),
     ],
 )
 def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
@@ -141,13 +138,6 @@ def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("kind", ["fwd", "dq"])
-def test_the_persistent_kernels_lower_for_cuda(kind):
-    text = _lowered_for_cuda(kind, *_inputs(256, 256, heads=4), persistent=132, lead=33)
-    assert "mosaic_gpu" in text
-
-
-@needs_mosaic
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
 def test_the_kernels_read_the_callers_rows_in_place(kind):
     """No copy of q, k, v (dO) before the kernel, though most samples start off a multiple of
@@ -180,25 +170,6 @@ def test_bad_lowering_choices_are_named():
         MosaicTiles(block_kv=48)
     with pytest.raises(ValueError, match="MosaicTiles.lead"):
         MosaicTiles(lead=-1)
-    with pytest.raises(ValueError, match="MosaicTiles.persistent"):
-        MosaicTiles(persistent=-2)
-
-
-@pytest.mark.parametrize(("total", "ctas"), [(28, 3), (28, 4), (28, 5), (28, 28), (12, 7)])
-def test_persistent_ctas_deal_every_item_once_in_alternating_rounds(total, ctas):
-    """A persistent launch's `ctas` CTAs take every item of the launch order once: round r
-    deals items r * ctas ... r * ctas + ctas - 1, every other round in reverse."""
-    heads = 4
-    num = total // heads
-    dealt = []
-    for cta in range(ctas):
-        items, item_of = _mosaic._items_of(jnp.int32(cta), num, heads, num, ctas)
-        order = [int(e) * heads + int(h) for e, h in (item_of(jnp.int32(i)) for i in range(items))]
-        assert all(r * ctas <= x < (r + 1) * ctas for r, x in enumerate(order))  # one a round
-        assert all(x % ctas == (cta if r % 2 == 0 else ctas - 1 - cta)
-                   for r, x in enumerate(order))  # fmt: skip
-        dealt += order
-    assert sorted(dealt) == list(range(total))
 
 
 @pytest.mark.parametrize("lead", [0, 1, 5, 7, 30])
@@ -239,23 +210,15 @@ def test_supports_names_each_limit():
     assert why is None or "tiles" not in why, why
     wide = (*ok, MosaicTiles(block_kv=128))
     assert "dkdv tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, wide)
-    lasting = (*ok, MosaicTiles(persistent=132))
-    assert "no persistent dk / dv" in _mosaic.supports(jnp.bfloat16, 256, 256, False, lasting)
     with pytest.raises(ValueError, match="one per kernel"):
         _mosaic.full_tiles(ok[:1], 256, 256)
 
 
 @pytest.mark.gpu
 @needs_mosaic
-@pytest.mark.parametrize(
-    ("dim", "persistent"),
-    [(64, 0), (128, 0), (256, 0), (256, 132)],  # 132: persistent forward and dq, one per SM
-)
-def test_compiled_kernels_match_the_reference(dim, persistent):
-    tiles = tuple(
-        dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), persistent=persistent)
-        for kind in _mosaic.KINDS[:2]
-    ) + (_mosaic.default_tiles("dkdv", dim, dim),)
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_compiled_kernels_match_the_reference(dim):
+    tiles = tuple(_mosaic.default_tiles(kind, dim, dim) for kind in _mosaic.KINDS)
     if mosaic_problem(jnp.bfloat16, dim, dim, False, tiles, False):
         pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(dim)
@@ -277,11 +240,7 @@ def test_compiled_kernels_match_the_reference(dim, persistent):
 
     # alpha, max_seqlen and normalizer are static: bound here, not passed through the jit
     out, grads = run(
-        jax.jit(
-            lambda q, k, v: hstu_attention(
-                q, k, v, offs, **kw, lowering="mosaic", mosaic_tiles=tiles
-            )
-        )
+        jax.jit(lambda q, k, v: hstu_attention(q, k, v, offs, **kw, lowering="mosaic"))
     )
     want, want_grads = run(lambda q, k, v: _reference(q, k, v, offs, **kw))
     assert _rel_err(out, want) < 1e-2
