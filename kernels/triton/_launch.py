@@ -36,8 +36,9 @@ class BlockSizes:
     """Tiling tunables. ``block_m``: query rows per tile, ``block_n``: key rows per tile.
     ``lead``: the launch order over the heaviest-first schedule (``kernels/schedule.py``),
     which the GPU dispatches in turn: its first ``lead`` entries with their heads together, the
-    rest head by head (0: all head by head); None: every entry with its heads (the order
-    timed; the Mosaic kernels' ``MosaicTiles.lead`` is the same knob)."""
+    rest head by head (0: all head by head); None: the kernel's measured default, the forward
+    0, dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order"; the
+    Mosaic kernels' ``MosaicTiles.lead`` is the same knob with the same defaults)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -268,10 +269,12 @@ def _common_meta(q, v, nc_, nk_, rp_, has_time: int, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
-def _lead(bs: BlockSizes, G: int) -> int:
+def _lead(bs: BlockSizes, G: int, default: int | None = None) -> int:
     """Schedule entries whose programs go out with their heads together before the rest go
-    out head by head (``BlockSizes.lead``; None: every entry, the order timed)."""
-    return G if bs.lead is None else min(bs.lead, G)
+    out head by head (``BlockSizes.lead``; None: the kernel's ``default``, every entry when
+    that is None too)."""
+    lead = bs.lead if bs.lead is not None else default
+    return G if lead is None else min(lead, G)
 
 
 def _schedule(
@@ -406,7 +409,8 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
                 rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-                table, G, _lead(bs, G), H, P, TB, float(alpha), 1.0 / float(normalizer), TMA=tma,
+                table, G, _lead(bs, G, default=0), H, P, TB, float(alpha), 1.0 / float(normalizer),
+                TMA=tma,
                 **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
             )  # fmt: skip
         _zero_tail(out, so)

@@ -968,3 +968,13 @@ def test_block_sizes_name_a_bad_field_and_travel_through_the_ops_with_their_laun
     assert all(isinstance(x, int) for x in packed)  # the torch.library ops take int lists
     fwd, (dkdv, dq) = hstu_attention_module._unpack_blocks(packed)
     assert (fwd, dkdv, dq) == tiles
+
+
+def test_launch_order_defaults_per_kernel():
+    """A kernel's ``lead`` when BlockSizes leaves it None: the forward's default (0, head by
+    head, measured faster), else every schedule entry with its heads; a set lead wins and is
+    bounded by the schedule's entries."""
+    assert _launch._lead(BlockSizes(), 10) == 10  # dq, dk / dv: entry by entry
+    assert _launch._lead(BlockSizes(), 10, default=0) == 0  # the forward: head by head
+    assert _launch._lead(BlockSizes(lead=3), 10, default=0) == 3
+    assert _launch._lead(BlockSizes(lead=30), 10) == 10
