@@ -77,14 +77,16 @@ TILE_KERNELS = (*KERNELS, "fused")
 # tiles) and dq spill at D=256 with 64-row tiles on 4 warps. "fused" (not swept by tune yet):
 # the fused kernel also holds a [M, D] fp32 dq tile, so at D=256 it wants fewer query rows than
 # dkdv's 64 x 32 on 4 warps (6.3 KB of spills per thread, 2x the backward time of the tiles
-# below in a first probe on one H100); wide key blocks halve the dq atomics per pair.
+# below in a first probe on one H100); wide key blocks halve the dq atomics per pair. The
+# D=256 forward: 64 x 64 x 4 x 3 since it launches head by head (-17 % on the jagged batch,
+# 8 x 4096 level; 128 x 64 x 8 x 2 before, faster on batches of short equal samples).
 _TUNED = {
     64: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 64, 4, 2),
          "dq": BlockSizes(64, 64, 4, 2),  # not swept yet: the D=128 tiles of the last round
          "fused": BlockSizes(64, 64, 4, 2)},
     128: {"fwd": BlockSizes(64, 32, 4, 3), "dkdv": BlockSizes(32, 64, 4, 2),
           "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(64, 128, 8, 2)},
-    256: {"fwd": BlockSizes(128, 64, 8, 2), "dkdv": BlockSizes(64, 32, 4, 2),
+    256: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 32, 4, 2),
           "dq": BlockSizes(64, 32, 4, 3), "fused": BlockSizes(32, 64, 8, 2)},
 }  # fmt: skip
 # backward mode per head dim for 16-bit inputs on CUDA: "split" until "fused" is timed on a GPU
