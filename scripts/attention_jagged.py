@@ -10,8 +10,9 @@
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
-        [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; the others
-                                      keep their defaults)
+        [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; jax with
+                                      mosaic: block_kv,stages, e.g. fwd=32,3; the others keep
+                                      their defaults)
         [--exact-rows]               (arrays of exactly the batch's tokens, not a capacity)
 
 Cases: three jagged batches drawn like ``configs/bench_upstream.yaml`` (32 samples, 4
@@ -95,14 +96,21 @@ def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None):
     )
 
 
-def _parse_tiles(items: list[str]) -> dict:
+def _parse_tiles(items: list[str], fields: int = 4) -> dict:
+    """kernel -> ``fields`` ints: torch's m,n,warps,stages (4), Mosaic's block_kv,stages (2)."""
+    what = "m,n,warps,stages" if fields == 4 else "block_kv,stages"
     out = {}
     for item in items:
         kernel, _, spec = item.partition("=")
-        if kernel not in ("fwd", "dkdv", "dq") or not spec:
-            raise SystemExit(f"--tiles: expected KERNEL=m,n,warps,stages, KERNEL one of "
-                             f"fwd, dkdv, dq; got {item!r}")  # fmt: skip
-        out[kernel] = tuple(int(x) for x in spec.split(","))
+        vals = spec.split(",")
+        if (
+            kernel not in ("fwd", "dkdv", "dq")
+            or len(vals) != fields
+            or not all(v.isdigit() for v in vals)
+        ):
+            raise SystemExit(f"--tiles: expected KERNEL={what}, KERNEL one of fwd, dkdv, dq; "
+                             f"got {item!r}")  # fmt: skip
+        out[kernel] = tuple(int(x) for x in vals)
     return out
 
 
@@ -201,24 +209,44 @@ def _parse_lead(items: list[str]) -> dict:
     return out
 
 
-def _mosaic_tiles(lead: dict, dim: int):
-    """The (forward, dq, dk/dv) MosaicTiles: the defaults for ``dim`` with ``lead`` (kernel ->
-    entries launched with their heads) set; None when ``lead`` is empty (the defaults)."""
-    if not lead:
+def _mosaic_tiles(lead: dict, dim: int, tiles: dict | None = None):
+    """The (forward, dq, dk/dv) MosaicTiles: ``tiles`` (kernel -> (block_kv, stages)) over the
+    defaults for ``dim``, with ``lead`` (kernel -> entries launched with their heads) set; None
+    when both are empty (the defaults)."""
+    tiles = tiles or {}
+    if not lead and not tiles:
         return None
     import dataclasses
 
     from hstu_kernels.pallas import _mosaic
 
-    return tuple(
-        dataclasses.replace(_mosaic.default_tiles(kind, dim, dim), lead=lead.get(kind))
-        for kind in _mosaic.KINDS
-    )
+    out = []
+    for kind in _mosaic.KINDS:
+        t = _mosaic.default_tiles(kind, dim, dim)
+        if kind in tiles:
+            t = dataclasses.replace(t, block_kv=tiles[kind][0], stages=tiles[kind][1])
+        out.append(dataclasses.replace(t, lead=lead.get(kind)))
+    return tuple(out)
+
+
+def _mosaic_problem(lead: dict, dim: int, tiles: dict) -> None:
+    """Refuse Mosaic tiles the kernels cannot take (shared memory, block_kv) before anything
+    compiles, naming why."""
+    import jax.numpy as jnp
+    from hstu_kernels.pallas import _mosaic
+
+    try:
+        chosen = _mosaic_tiles(lead, dim, tiles)
+    except ValueError as exc:
+        raise SystemExit(f"--tiles: {exc}") from None
+    why = _mosaic.supports(jnp.bfloat16, dim, dim, False, chosen)
+    if why is not None and "tiles" in why:
+        raise SystemExit(f"--tiles: {why}")
 
 
 def _jax_case(
     lengths, cand, ctx, max_seqlen, heads, dim, calls, rounds, lowering="triton", profile=False,
-    exact_rows=False, lead=None,
+    exact_rows=False, lead=None, tiles=None,
 ):  # fmt: skip
     import jax
     import jax.numpy as jnp
@@ -241,8 +269,9 @@ def _jax_case(
     # the kernels' schedule (and dO's padding) into the program at compile time
     def attn(q, k, v, offs, extra):
         return hstu_attention(
-            q, k, v, offs, **kw, **extra, lowering=lowering, mosaic_tiles=_mosaic_tiles(lead, dim)
-        )
+            q, k, v, offs, **kw, **extra, lowering=lowering,
+            mosaic_tiles=_mosaic_tiles(lead or {}, dim, tiles),
+        )  # fmt: skip
 
     def attn_and_grads(q, k, v, offs, extra, g):
         # the output is returned too: the backward does not read it, and a program that
@@ -282,25 +311,31 @@ def main(argv=None) -> None:
     ap.add_argument("--backward", choices=["split", "fused"], default=None,
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     ap.add_argument("--tiles", nargs="*", default=[],
-                    help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq")  # fmt: skip
+                    help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq; jax mosaic: "
+                         "KERNEL=block_kv,stages")  # fmt: skip
     ap.add_argument("--lead", nargs="*", default=[],
                     help="torch / jax mosaic: KERNEL=N, the launch order (lead)")  # fmt: skip
     ap.add_argument("--exact-rows", action="store_true",
                     help="arrays of exactly the batch's tokens (default: a capacity)")  # fmt: skip
     args = ap.parse_args(argv)
-    tiles = _parse_tiles(args.tiles)
+    mosaic = args.backend == "jax" and args.lowering == "mosaic"
+    if args.tiles and args.backend == "jax" and not mosaic:
+        raise SystemExit("--tiles: torch's Triton kernels or the Mosaic ones (--lowering mosaic)")
+    tiles = _parse_tiles(args.tiles, 2 if mosaic else 4)
     lead = _parse_lead(args.lead)
-    if lead and args.backend == "jax" and args.lowering != "mosaic":
+    if lead and args.backend == "jax" and not mosaic:
         raise SystemExit(
             "--lead: the launch order of torch's Triton kernels or of the Mosaic ones "
             "(--backend jax --lowering mosaic)"
         )
+    if mosaic and tiles:
+        _mosaic_problem(lead, args.dim, tiles)
     fwd_name = f", {args.lowering} lowering" if args.backend == "jax" else ""
     if lead:
         fwd_name += ", lead " + " ".join(args.lead)
     if args.backend == "torch" and args.backward:
         fwd_name = f", {args.backward} backward"
-    if args.backend == "torch" and tiles:
+    if tiles:
         fwd_name += ", tiles " + " ".join(args.tiles)
     layout = "exact rows" if args.exact_rows else f"rows: tokens up to a multiple of {ALIGN}"
     print(f"# {args.backend}{fwd_name}, bf16, heads {args.heads}, dim {args.dim}, "
@@ -316,8 +351,9 @@ def main(argv=None) -> None:
             )
         else:
             f_ms, fb_ms = _jax_case(
-                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows, lead
-            )
+                *shape, args.calls, args.rounds, args.lowering, profile, args.exact_rows, lead,
+                tiles,
+            )  # fmt: skip
         flops = 4.0 * mask_pairs(lengths, ctx, cand) * args.heads * args.dim
         print(f"{name:>16} {int(lengths.sum()):>7} {f_ms:8.3f} {flops / f_ms / 1e9:5.0f} "
               f"{fb_ms:8.3f} {3 * flops / fb_ms / 1e9:5.0f}")  # fmt: skip

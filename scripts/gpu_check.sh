@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
-#                                               attnprof order
+#                                               attnprof order mtiles
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -263,6 +263,22 @@ print('torchrec', torchrec.__version__)" ;;
               --backend $backend $extra --dim ${ORDER_DIM:-256} --equal 8x4096 --calls 10 \
               --rounds 3 "${order[@]}"
           done
+        done
+      done ;;
+    mtiles)
+      # the Mosaic kernels' streamed tiles (MosaicTiles block_kv, stages; never swept, the
+      # defaults are the largest 64-row tiles that fit in shared memory): jax at head dim
+      # $MTILES_DIM, the defaults then each of $MTILES_SETS ('|'-separated sets of
+      # KERNEL=block_kv,stages), $MTILES_ROUNDS alternating rounds, on the recipe's batches
+      # and 8 x 4096; a set the kernels cannot take is refused before it compiles
+      IFS='|' read -r -a msets <<< "${MTILES_SETS:-fwd=32,2|fwd=32,3|fwd=32,4|dq=32,3|dkdv=32,2|dkdv=32,3|dkdv=32,4}"
+      for round in $(seq ${MTILES_ROUNDS:-1}); do
+        for i in $(seq 0 ${#msets[@]}); do
+          mt=(); name=default
+          if [ "$i" -gt 0 ]; then read -r -a mt <<< "${msets[$((i - 1))]}"; name=$i; fi
+          run "mtiles_${name}_$round" python scripts/attention_jagged.py --backend jax \
+            --lowering mosaic --dim ${MTILES_DIM:-256} --equal 8x4096 --calls 10 --rounds 3 \
+            $([ ${#mt[@]} -eq 0 ] || echo --tiles "${mt[@]}")
         done
       done ;;
     attnprof)

@@ -334,3 +334,27 @@ def test_attention_jagged_sets_the_mosaic_launch_order_per_kernel():
             script._parse_lead(bad)
     with pytest.raises(SystemExit, match="--lead"):
         script.main(["--backend", "jax", "--lowering", "triton", "--lead", "dq=1", "--no-recipe"])
+
+
+def test_attention_jagged_sets_mosaic_tiles_per_kernel_and_refuses_what_cannot_run():
+    """jax with the Mosaic lowering: `--tiles KERNEL=block_kv,stages` over that kernel's
+    defaults (the others keep theirs); tiles that do not fit in shared memory, a malformed item
+    or the Triton lowering are refused before anything compiles."""
+    pytest.importorskip("jax")
+    script = load_script("attention_jagged")
+    assert script._parse_tiles(["fwd=32,3"], 2) == {"fwd": (32, 3)}
+    fwd, dq, dkdv = script._mosaic_tiles({"dq": 4}, 256, {"fwd": (32, 3)})
+    assert (fwd.block_kv, fwd.stages, fwd.lead) == (32, 3, None)
+    assert (dq.block_kv, dq.stages, dq.lead) == (32, 2, 4)  # dq's defaults at head dim 256
+    assert (dkdv.block_kv, dkdv.stages) == (64, 2)
+    base = ["--backend", "jax", "--lowering", "mosaic", "--no-recipe", "--equal", "1x64"]
+    for bad, why in (
+        (["dq=64,2"], "shared memory"),  # 64-row dq tiles do not fit at head dim 256
+        (["fwd=48,2"], "block_kv"),
+        (["fwd=32"], "block_kv,stages"),
+        (["fwd=32,3,4,2"], "block_kv,stages"),
+    ):
+        with pytest.raises(SystemExit, match=why):
+            script.main([*base, "--tiles", *bad])
+    with pytest.raises(SystemExit, match="--tiles"):
+        script.main(["--backend", "jax", "--tiles", "fwd=32,3", "--no-recipe"])
