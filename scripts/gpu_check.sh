@@ -99,9 +99,10 @@ print('torchrec', torchrec.__version__)" ;;
       run pallas_bench python -m hstu_kernels.pallas.bench ;;
     tune)
       # block-size sweeps per head dim and kernel, each tile checked against the default's
-      # output and gradients, then timed (TUNE_KERNELS, default: triton pallas)
+      # output and gradients, then timed (TUNE_KERNELS, default: triton pallas); $TUNE_ARGS:
+      # more options for every sweep (e.g. "--kernels dq,dkdv --repeats 10")
       for k in ${TUNE_KERNELS:-triton pallas}; do
-        run "${k}_tune" python -m hstu_kernels.$k.tune --dims ${TUNE_DIMS:-256,128}
+        run "${k}_tune" python -m hstu_kernels.$k.tune --dims ${TUNE_DIMS:-256,128} ${TUNE_ARGS:-}
       done ;;
     ab)
       # A/B of two kernel trees in one call: $AB_BEFORE (a copy of kernels/ from an earlier
