@@ -9,6 +9,16 @@ from collections.abc import Callable
 KERNELS = ("fwd", "dkdv", "dq")
 
 
+def launch_lead(kernel: str, lead: int | None, entries: int) -> int:
+    """Schedule entries whose programs / CTAs go out with their heads together before the rest
+    go out head by head, for both backends' kernels (``BlockSizes.lead``, ``MosaicTiles.lead``):
+    ``lead`` if set, else the measured default, the forward head by head (0) and dq / dk / dv
+    every entry with its heads (kernels/README.md, "Dispatch order"); at most ``entries``."""
+    if lead is None:
+        lead = 0 if kernel == "fwd" else entries
+    return min(lead, entries)
+
+
 def resolve_tiles(block_sizes, block_type: type, default: Callable[[str], object]) -> tuple:
     """(forward, dk/dv, dq) tiles of ``block_sizes``; ``default(kernel)`` fills a None."""
     if block_sizes is None:

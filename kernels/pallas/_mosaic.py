@@ -63,6 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..schedule import pairs, schedule
+from ..tiles import launch_lead
 from ._common import _query_ranges, sample_of
 
 try:
@@ -600,7 +601,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     # backward -3 to -15 % on bench_upstream's batches, +4-6 % on 8 x 4096. The forward goes
     # head by head: entry by entry measured 4-5 % slower for it (kernels/README.md, "Dispatch
     # order").
-    lead = tiles.lead if tiles.lead is not None else (0 if kind == "fwd" else num)
+    lead = launch_lead(kind, tiles.lead, num)
     order = (num, heads, lead)
     # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
     t_buf = smem((2, bq, bk), q.dtype) if interpreted else None

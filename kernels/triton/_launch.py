@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..schedule import pairs, schedule
-from ..tiles import KERNELS
+from ..tiles import KERNELS, launch_lead
 from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
 from ._common import _schedule_kernel, _time_range_kernel, _zero_tail_kernel
 from ._forward import _hstu_fwd_kernel
@@ -271,14 +271,6 @@ def _common_meta(q, v, nc_, nk_, rp_, has_time: int, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
-def _lead(bs: BlockSizes, G: int, default: int | None = None) -> int:
-    """Schedule entries whose programs go out with their heads together before the rest go
-    out head by head (``BlockSizes.lead``; None: the kernel's ``default``, every entry when
-    that is None too)."""
-    lead = bs.lead if bs.lead is not None else default
-    return G if lead is None else min(lead, G)
-
-
 def _schedule(
     so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool,
     on_device: bool | None = None,
@@ -411,8 +403,8 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
                 rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
-                table, G, _lead(bs, G, default=0), H, P, TB, float(alpha), 1.0 / float(normalizer),
-                TMA=tma,
+                table, G, launch_lead("fwd", bs.lead, G), H, P, TB, float(alpha),
+                1.0 / float(normalizer), TMA=tma,
                 **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
             )  # fmt: skip
         _zero_tail(out, so)
@@ -470,7 +462,7 @@ def _bwd_impl(
                     _hstu_bwd_fused_kernel[grid](
                         q, k, v, grad_out, dk, dv, dq, so, nc, nk, ts, tsr, rp, rt,
                         *inputs, *dkdv_out, *tables, dq.stride(0), dq.stride(1), table, G,
-                        _lead(dkdv_bs, G), H,
+                        launch_lead("dkdv", dkdv_bs.lead, G), H,
                         *scalars, OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
@@ -478,7 +470,8 @@ def _bwd_impl(
                 for has_time in paths:
                     _hstu_bwd_dkdv_kernel[grid](
                         q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
-                        *inputs, *dkdv_out, *tables, table, G, _lead(dkdv_bs, G), H, *scalars,
+                        *inputs, *dkdv_out, *tables, table, G,
+                        launch_lead("dkdv", dkdv_bs.lead, G), H, *scalars,
                         OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
@@ -493,8 +486,8 @@ def _bwd_impl(
                     _hstu_bwd_dq_kernel[grid](
                         q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
-                        *inputs, dq.stride(0), dq.stride(1), *tables, table, G, _lead(dq_bs, G), H,
-                        *scalars,
+                        *inputs, dq.stride(0), dq.stride(1), *tables, table, G,
+                        launch_lead("dq", dq_bs.lead, G), H, *scalars,
                         BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
                         TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),

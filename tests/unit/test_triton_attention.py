@@ -974,7 +974,8 @@ def test_launch_order_defaults_per_kernel():
     """A kernel's ``lead`` when BlockSizes leaves it None: the forward's default (0, head by
     head, measured faster), else every schedule entry with its heads; a set lead wins and is
     bounded by the schedule's entries."""
-    assert _launch._lead(BlockSizes(), 10) == 10  # dq, dk / dv: entry by entry
-    assert _launch._lead(BlockSizes(), 10, default=0) == 0  # the forward: head by head
-    assert _launch._lead(BlockSizes(lead=3), 10, default=0) == 3
-    assert _launch._lead(BlockSizes(lead=30), 10) == 10
+    lead = _launch.launch_lead  # the rule both backends' kernels take (kernels/tiles.py)
+    assert lead("dq", BlockSizes().lead, 10) == lead("dkdv", None, 10) == 10  # entry by entry
+    assert lead("fwd", BlockSizes().lead, 10) == 0  # the forward: head by head
+    assert lead("fwd", BlockSizes(lead=3).lead, 10) == 3
+    assert lead("dq", BlockSizes(lead=30).lead, 10) == 10
