@@ -267,8 +267,8 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done ;;
     mtiles)
-      # the Mosaic kernels' streamed tiles (MosaicTiles block_kv, stages; never swept, the
-      # defaults are the largest 64-row tiles that fit in shared memory): jax at head dim
+      # the Mosaic kernels' streamed tiles (MosaicTiles block_kv, stages; the defaults and
+      # their sweep: kernels/README.md, "The Mosaic tiles swept"): jax at head dim
       # $MTILES_DIM, the defaults then each of $MTILES_SETS ('|'-separated sets of
       # KERNEL=block_kv,stages), $MTILES_ROUNDS alternating rounds, on the recipe's batches
       # and 8 x 4096; a set the kernels cannot take is refused before it compiles

@@ -132,10 +132,14 @@ def smem_bytes(kind: str, tiles: MosaicTiles, d_qk: int, d_v: int, itemsize: int
 
 
 def default_tiles(kind: str, d_qk: int, d_v: int) -> MosaicTiles:
-    """64-row streamed tiles where they fit in shared memory, else 32 (dq at head dim 256)."""
+    """64-row streamed tiles in two stages where they fit in shared memory; else 32-row ones,
+    in three stages where those fit (dq at head dim 256: swept on an H200, the backward -1 to
+    -2 % against two stages; kernels/README.md, "The Mosaic tiles swept"), else two."""
     tiles = MosaicTiles()
     if smem_bytes(kind, tiles, d_qk, d_v) > _SMEM_BYTES:
-        tiles = MosaicTiles(block_kv=32)
+        tiles = MosaicTiles(block_kv=32, stages=3)
+        if smem_bytes(kind, tiles, d_qk, d_v) > _SMEM_BYTES:
+            tiles = MosaicTiles(block_kv=32)
     return tiles
 
 

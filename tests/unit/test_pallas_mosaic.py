@@ -99,9 +99,17 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
     ("dqk", "dv", "tiles"),
     [
         (64, 64, None),
-        # padded head dims; the forward's and dq's CTAs launched in a mixed order (`lead`)
-        (32, 48, (MosaicTiles(block_kv=128, stages=3, lead=2), MosaicTiles(block_kv=32, lead=1))),
-        (256, 128, None),  # the dq kernel takes 32-row key tiles here (shared memory)
+        # padded head dims; the forward's and dq's CTAs launched in a mixed order (`lead`); dq
+        # in the 32-row, three-stage ring it takes at head dim 256
+        (
+            32,
+            48,
+            (
+                MosaicTiles(block_kv=128, stages=3, lead=2),
+                MosaicTiles(block_kv=32, stages=3, lead=1),
+            ),
+        ),
+        (256, 128, None),  # wide query / key rows (every kernel's 64-row tiles still fit)
     ],
 )
 def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
@@ -197,9 +205,13 @@ def test_supports_names_each_limit():
     assert "Dv=320" in _mosaic.supports(jnp.bfloat16, 64, 320, False, DEFAULT)
     big = MosaicTiles(block_kv=128, stages=4)
     assert "fwd tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, (big, DEFAULT[1]))
-    # dq at head dim 256 holds a dO tile too: 64-row key tiles overflow, 32-row ones fit
+    # dq at head dim 256 holds a dO tile too: 64-row key tiles overflow, 32-row ones fit in
+    # three stages (the default there, as swept), not four
     assert "dq tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, DEFAULT)
-    assert _mosaic.default_tiles("dq", 256, 256) == MosaicTiles(block_kv=32)
+    assert _mosaic.default_tiles("dq", 256, 256) == MosaicTiles(block_kv=32, stages=3)
+    four = (DEFAULT[0], MosaicTiles(block_kv=32, stages=4))
+    assert "dq tiles" in _mosaic.supports(jnp.bfloat16, 256, 256, False, four)
+    assert _mosaic.default_tiles("dq", 128, 128) == MosaicTiles()
     assert _mosaic.default_tiles("fwd", 256, 256) == MosaicTiles()
     # dk / dv: the CTA's key and value tiles plus the query / dO slots; a pair of tiles takes
     # the default dk / dv tiles
