@@ -37,19 +37,6 @@ def mask_pairs(lengths, num_contextual: int = 0, num_candidates=None) -> int:
     return total
 
 
-def _tag(tiles) -> str:
-    """A tiles dataclass as the sweep's tables name it: its numbers, a true flag by its name
-    (``BlockSizes.dkdv_apart``); unset (None) and false fields left out."""
-    out = []
-    for field in dataclasses.fields(tiles):
-        value = getattr(tiles, field.name)
-        if value is True:
-            out.append(field.name)
-        elif value is not None and value is not False:
-            out.append(str(value))
-    return ",".join(out)
-
-
 def sweep_table(results: dict, passes, tag_header: str) -> str:
     """The sweep's table and each kernel's best tile. ``results``: case name -> rows
     (kernel, tiles: a BlockSizes dataclass, ms or nan, note), the same candidates in the same
@@ -63,7 +50,7 @@ def sweep_table(results: dict, passes, tag_header: str) -> str:
         for n in names:
             _, _, ms, note = results[n][i]
             cells.append(f"{ms:8.3f} ms {note:>14}" if ms == ms else f"{note[:26]:>26}")
-        tag = _tag(tiles)
+        tag = ",".join(str(x) for x in dataclasses.astuple(tiles) if x is not None)
         lines.append(f"{kern:>6} {tag:>17} " + " ".join(cells))
     for kern in passes:
         timed = {n: {t: ms for k, t, ms, _ in rows if k == kern and ms == ms}

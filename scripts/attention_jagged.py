@@ -10,7 +10,7 @@
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
         [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
-        [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages[,apart]; jax with
+        [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; jax with
                                       mosaic: block_kv,stages, e.g. fwd=32,3; the others keep
                                       their defaults)
         [--exact-rows]               (arrays of exactly the batch's tokens, not a capacity)
@@ -90,31 +90,27 @@ def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None):
 
     return tuple(
         dataclasses.replace(
-            BlockSizes.parse(tiles[k]) if k in tiles else default_block_sizes(dim, k),
-            lead=lead.get(k),
+            BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, k), lead=lead.get(k)
         )
         for k in ("fwd", "dkdv", "dq")
     )
 
 
 def _parse_tiles(items: list[str], fields: int = 4) -> dict:
-    """kernel -> torch's spec ``m,n,warps,stages[,apart]`` (``BlockSizes.parse``; fields 4),
-    or Mosaic's block_kv,stages as two ints (fields 2)."""
-    what = "m,n,warps,stages[,apart]" if fields == 4 else "block_kv,stages"
+    """kernel -> ``fields`` ints: torch's m,n,warps,stages (4), Mosaic's block_kv,stages (2)."""
+    what = "m,n,warps,stages" if fields == 4 else "block_kv,stages"
     out = {}
     for item in items:
         kernel, _, spec = item.partition("=")
         vals = spec.split(",")
-        if fields == 4 and vals[-1] == "apart" and kernel == "dkdv":
-            vals = vals[:-1]
         if (
             kernel not in ("fwd", "dkdv", "dq")
             or len(vals) != fields
             or not all(v.isdigit() for v in vals)
         ):
-            raise SystemExit(f"--tiles: expected KERNEL={what} (apart: dkdv only), KERNEL one "
-                             f"of fwd, dkdv, dq; got {item!r}")  # fmt: skip
-        out[kernel] = spec if fields == 4 else tuple(int(x) for x in vals)
+            raise SystemExit(f"--tiles: expected KERNEL={what}, KERNEL one of fwd, dkdv, dq; "
+                             f"got {item!r}")  # fmt: skip
+        out[kernel] = tuple(int(x) for x in vals)
     return out
 
 

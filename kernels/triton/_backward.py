@@ -37,10 +37,9 @@ def _dkdv_tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
-    FUSED: tl.constexpr, TMA: tl.constexpr, ROLE: tl.constexpr,
+    FUSED: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    # transposed orientation: rows are keys, columns are queries. ROLE: 0 dk and dv, 1 dv
-    # alone (k, q, dO: two matmuls), 2 dk alone (k, v, q, dO: three; and FUSED's dq share)
+    # transposed orientation: rows are keys, columns are queries
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = seq_start + offs_m
     in_m = offs_m < n
@@ -55,24 +54,20 @@ def _dkdv_tile(
     z = _logits(s_t, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
     sig = _sigmoid(z, FAST)
     p_t = z * sig
-    dz_t = z  # not read by the dv role
-    if ROLE != 1:
-        dp_t = _dot(v, tl.trans(do), PREC) * inv_norm
-        dz_t = dp_t * sig * (1.0 + z * (1.0 - sig))
+    dp_t = _dot(v, tl.trans(do), PREC) * inv_norm
+    dz_t = dp_t * sig * (1.0 + z * (1.0 - sig))
     if MASKED:
         mask = _visible(qi, kj, n, hist_end, C, HAS_CTX)
         p_t = tl.where(mask, p_t, 0.0)
         dz_t = tl.where(mask, dz_t, 0.0)
-    if ROLE != 2:
-        dv += _dot(p_t.to(do.dtype), do, PREC)
-    if ROLE != 1:
-        ds_t = dz_t.to(q.dtype)
-        dk += _dot(ds_t, q, PREC)
-        if FUSED:
-            # this tile's share of dq = dS K ([BLOCK_M, D] fp32; dz_t is 0 where masked), added
-            # to the fp32 accumulator: query rows past the sample are never written
-            _atomic_add_rows(DQacc, rows, in_m, stride_dqt, _dot(tl.trans(ds_t), k, PREC), DQK,
-                             BLOCK_DQK)  # fmt: skip
+    dv += _dot(p_t.to(do.dtype), do, PREC)
+    ds_t = dz_t.to(q.dtype)
+    dk += _dot(ds_t, q, PREC)
+    if FUSED:
+        # this tile's share of dq = dS K ([BLOCK_M, D] fp32; dz_t is 0 where masked), added to
+        # the fp32 accumulator: query rows past the sample are never written
+        _atomic_add_rows(DQacc, rows, in_m, stride_dqt, _dot(tl.trans(ds_t), k, PREC), DQK,
+                         BLOCK_DQK)  # fmt: skip
     return dk, dv
 
 
@@ -91,7 +86,7 @@ def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: 
 
 @triton.jit
 def _dkdv_program(
-    pid, Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
@@ -99,14 +94,13 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
-    TMA: tl.constexpr, ROLE: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
-    """Schedule entry ``pid``'s key block of one sample and head: dk / dv (``ROLE`` 0; 1: dv
-    alone, 2: dk alone) over the query blocks that can see it, and with FUSED each tile's dq
-    share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO read through descriptors over
-    the sample's rows (``_rows_desc``), else pointer tiles."""
+    """One key block of one sample and head: dk / dv over the query blocks that can see it,
+    and with FUSED each tile's dq share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO
+    read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles."""
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
-        pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
     ts_lo = 0
     if HAS_TIME:
@@ -137,19 +131,12 @@ def _dkdv_program(
             BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA,
         )  # fmt: skip
         k = _load_tile(Ks, n0, rows_n, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
-        v = k  # not read by the dv role
-        if ROLE != 1:
-            v = _load_tile(Vs, n0, rows_n, in_n, stride_vt, DV, BLOCK_DV, TMA)
+        v = _load_tile(Vs, n0, rows_n, in_n, stride_vt, DV, BLOCK_DV, TMA)
         ts_k = 0
         if HAS_TIME:
             ts_k = _ts_load(Ts, rows_n, in_n, ts_lo, HAS_TIME)[:, None]
-        # a role's other accumulator stays a scalar that nothing adds to
-        dk = 0.0
-        dv = 0.0
-        if ROLE != 1:
-            dk = tl.full([BLOCK_N, BLOCK_DQK], 0.0, tl.float32)
-        if ROLE != 2:
-            dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
+        dk = tl.full([BLOCK_N, BLOCK_DQK], 0.0, tl.float32)
+        dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
         cfull, chi, lo, fs, fe, hi = _query_ranges(n0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         # fully visible query blocks: contextual [0, cfull) and [fs, fe)
         n_a = cfull // BLOCK_M
@@ -160,7 +147,7 @@ def _dkdv_program(
                 dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, False, FUSED, TMA, ROLE,
+                PREC, FAST, False, FUSED, TMA,
             )  # fmt: skip
         # masked: [cfull, chi), [lo, fs) around the diagonal and the tail [fe, hi)
         n_a = _num_blocks(cfull, chi, BLOCK_M)
@@ -172,12 +159,10 @@ def _dkdv_program(
                 dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
                 seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, True, FUSED, TMA, ROLE,
+                PREC, FAST, True, FUSED, TMA,
             )  # fmt: skip
-        if ROLE != 1:
-            _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
-        if ROLE != 2:
-            _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
+        _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
+        _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
 
 
 @triton.jit
@@ -190,41 +175,15 @@ def _hstu_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
-    APART: tl.constexpr,
 ):  # fmt: skip
-    """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``). ``APART``
-    (``BlockSizes.dkdv_apart``): two programs per schedule entry, adjacent in launch order,
-    the even one dv and the odd one dk, each holding one accumulator (the scores computed by
-    both); else one program computes both."""
-    pid = tl.program_id(0)
-    if APART:
-        if pid % 2 == 0:
-            _dkdv_program(
-                pid // 2, Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
-                RabPos, RabTime, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                stride_rp, stride_rt, 0, 0, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME,
-                PREC, FAST, False, OUT_LIKE_IN, TMA, 1,
-            )  # fmt: skip
-        else:
-            _dkdv_program(
-                pid // 2, Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
-                RabPos, RabTime, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                stride_rp, stride_rt, 0, 0, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME,
-                PREC, FAST, False, OUT_LIKE_IN, TMA, 2,
-            )  # fmt: skip
-    else:
-        _dkdv_program(
-            pid, Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos,
-            RabTime, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp,
-            stride_rt, 0, 0, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK,
-            BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False,
-            OUT_LIKE_IN, TMA, 0,
-        )  # fmt: skip
+    """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
+    _dkdv_program(
+        Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G,
+        Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
+        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -242,12 +201,12 @@ def _hstu_bwd_fused_kernel(
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
     launch multiplies by alpha). No bias-table gradients (the launch uses split for those)."""
     _dkdv_program(
-        tl.program_id(0), Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts,
-        TsRange, RabPos, RabTime, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-        stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-        stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
-        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME,
-        PREC, FAST, True, OUT_LIKE_IN, TMA, 0,
+        Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
+        stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK,
+        DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
+        FAST, True, OUT_LIKE_IN, TMA,
     )  # fmt: skip
 
 

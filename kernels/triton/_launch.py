@@ -38,18 +38,13 @@ class BlockSizes:
     which the GPU dispatches in turn: its first ``lead`` entries with their heads together, the
     rest head by head (0: all head by head); None: the kernel's measured default, the forward
     0, dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order"; the
-    Mosaic kernels' ``MosaicTiles.lead`` is the same knob with the same defaults).
-    ``dkdv_apart`` (read by the split backward's dk / dv kernel only): dk and dv computed by
-    two programs per key block, each holding one ``[block_n, D]`` fp32 accumulator and both
-    computing the block's scores (five matmuls per tile pair instead of four), as the Mosaic
-    dk / dv kernel splits them over its two warp groups; else one program holds both."""
+    Mosaic kernels' ``MosaicTiles.lead`` is the same knob with the same defaults)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     lead: int | None = None
-    dkdv_apart: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -64,19 +59,6 @@ class BlockSizes:
             )
         if self.lead is not None and (not isinstance(self.lead, int) or self.lead < 0):
             raise ValueError(f"BlockSizes.lead must be None or an int >= 0, got {self.lead!r}")
-        if not isinstance(self.dkdv_apart, bool):
-            raise ValueError(f"BlockSizes.dkdv_apart must be a bool, got {self.dkdv_apart!r}")
-
-    @classmethod
-    def parse(cls, spec: str) -> "BlockSizes":
-        """``"m,n,warps,stages"``, with ``",apart"`` for ``dkdv_apart`` (the sweeps' and the
-        scripts' command lines); a ValueError naming the expected form otherwise."""
-        fields = spec.split(",")
-        apart = fields[-1] == "apart"
-        nums = fields[:-1] if apart else fields
-        if len(nums) != 4 or not all(x.isdigit() for x in nums):
-            raise ValueError(f"tiles: expected m,n,warps,stages[,apart], got {spec!r}")
-        return cls(*(int(x) for x in nums), dkdv_apart=apart)
 
 
 INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
@@ -163,12 +145,9 @@ def check_backward(backward) -> str:
 # The kernels named here read a sample's rows through tensor descriptors (TMA) where the
 # hardware has them (sm_90+; the interpreter emulates them) and the inputs allow them, else
 # through pointer tiles. HSTU_TRITON_TMA: "1" (the default set: the forward and dq, measured
-# faster on an H200, and dk / dv with ``dkdv_apart`` tiles, which spill without them: 0 bytes
-# against 444 at head dim 256, offline), "0" (pointer loads everywhere: A/B, or a Triton whose
-# descriptors misbehave), or a comma-separated list of kernels among fwd, dkdv, dq, fused,
-# dkdv_apart.
-_TMA_DEFAULT = frozenset({"fwd", "dq", "dkdv_apart"})
-_TMA_NAMES = (*TILE_KERNELS, "dkdv_apart")
+# faster on an H200), "0" (pointer loads everywhere: A/B, or a Triton whose descriptors
+# misbehave), or a comma-separated list of kernels among fwd, dkdv, dq, fused.
+_TMA_DEFAULT = frozenset({"fwd", "dq"})
 
 
 def _tma_kernels(setting: str) -> frozenset[str]:
@@ -179,11 +158,11 @@ def _tma_kernels(setting: str) -> frozenset[str]:
     if setting == "0":
         return frozenset()
     names = frozenset(x.strip() for x in setting.split(",") if x.strip())
-    unknown = names - set(_TMA_NAMES)
+    unknown = names - set(TILE_KERNELS)
     if unknown:
         raise ValueError(
             f"HSTU_TRITON_TMA: unknown kernel(s) {sorted(unknown)}; expected 0, 1 or a "
-            f"comma-separated list of {_TMA_NAMES}"
+            f"comma-separated list of {TILE_KERNELS}"
         )
     return names
 
@@ -475,9 +454,7 @@ def _bwd_impl(
             tsr = _time_range(ts, so) if rt_ is not None else so
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
             paths = _time_paths(rt_)
-            apart = dkdv_bs.dkdv_apart and not fused  # two programs per entry: dv, then dk
-            kind = "fused" if fused else "dkdv_apart" if apart else "dkdv"
-            tma = use_tma(kind, q, k, v, grad_out)
+            tma = use_tma("fused" if fused else "dkdv", q, k, v, grad_out)
             if tma:
                 _ensure_allocator()
             if fused:
@@ -491,11 +468,11 @@ def _bwd_impl(
                     )  # fmt: skip
             else:
                 for has_time in paths:
-                    _hstu_bwd_dkdv_kernel[(grid[0] * (2 if apart else 1),)](
+                    _hstu_bwd_dkdv_kernel[grid](
                         q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
                         *inputs, *dkdv_out, *tables, table, G,
                         launch_lead("dkdv", dkdv_bs.lead, G), H, *scalars,
-                        OUT_LIKE_IN=dkdv_like, TMA=tma, APART=apart,
+                        OUT_LIKE_IN=dkdv_like, TMA=tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)

@@ -71,8 +71,8 @@ __all__ = ["BlockSizes", "hstu_attention", "hstu_uvqk_attention", "is_interpret_
 
 
 def _pack_blocks(tiles) -> list[int]:
-    """The ops' int list of the forward, dk/dv and dq kernels' BlockSizes: 6 ints each, the
-    launch order's ``lead`` (-1 for None) and ``dkdv_apart`` (0 / 1) last."""
+    """The ops' int list of the forward, dk/dv and dq kernels' BlockSizes: 5 ints each, the
+    launch order's ``lead`` last (-1 for None)."""
     return [
         x
         for bs in tiles
@@ -82,7 +82,6 @@ def _pack_blocks(tiles) -> list[int]:
             bs.num_warps,
             bs.num_stages,
             -1 if bs.lead is None else bs.lead,
-            int(bs.dkdv_apart),
         )
     ]
 
@@ -90,12 +89,8 @@ def _pack_blocks(tiles) -> list[int]:
 def _unpack_blocks(blocks: list[int]) -> tuple[BlockSizes, tuple[BlockSizes, BlockSizes]]:
     """The BlockSizes ``_pack_blocks`` packed: forward, (dk/dv, dq)."""
     fwd, dkdv, dq = (
-        BlockSizes(
-            *blocks[i : i + 4],
-            lead=None if blocks[i + 4] < 0 else blocks[i + 4],
-            dkdv_apart=bool(blocks[i + 5]),
-        )
-        for i in (0, 6, 12)
+        BlockSizes(*blocks[i : i + 4], lead=None if blocks[i + 4] < 0 else blocks[i + 4])
+        for i in (0, 5, 10)
     )
     return fwd, (dkdv, dq)
 

@@ -4,7 +4,6 @@ Without CUDA the kernels run in the Triton CPU interpreter (TRITON_INTERPRET=1, 
 triton is imported) on small shapes; with CUDA they run compiled on larger shapes (``gpu``).
 """
 
-import dataclasses
 import importlib
 import os
 import re
@@ -265,45 +264,10 @@ def test_descriptor_and_pointer_loads_give_the_same_attention(
         _assert_close(a, b, 1e-5 if backward == "fused" else 1e-6, f"d{name}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_dk_and_dv_apart_equal_one_program_computing_both(mode, monkeypatch, spy_launches):
-    """``BlockSizes.dkdv_apart``: the dk / dv kernel launches two programs per key block, dv
-    then dk, each with one accumulator; the gradients are those of one program computing both
-    (the same products in the same order: equal in the interpreter, fp32 rounding apart on a
-    GPU, whose apart kernel reads through descriptors), with both biases, contextual and
-    candidate tokens, capacity padding and Dv != Dqk; twice the programs."""
-    case, dtype = "ctx_cand_rab", torch.float32
-    qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, 4321)
-    spy = spy_launches(_launch, "_hstu_bwd_dkdv_kernel")
-    tiles = SHAPES[mode]["blocks"]["uneven"]
-
-    def run(apart):
-        blocks = (tiles[0], dataclasses.replace(tiles[1], dkdv_apart=apart), tiles[2])
-        leaves = [x.clone().requires_grad_() for x in qkv]
-        tabs = [t.clone().requires_grad_() for t in tables.values()]
-        out = hstu_attention(
-            *leaves, offsets, **kw, **dict(zip(tables, tabs)), block_sizes=blocks,
-            backward="split",
-        )  # fmt: skip
-        return torch.autograd.grad(out, leaves + tabs, grad_out), spy.grids[-1][0], spy.meta[-1]
-
-    one, grid_one, meta_one = run(False)
-    apart, grid_apart, meta_apart = run(True)
-    assert not meta_one["APART"] and meta_apart["APART"]
-    assert grid_apart == 2 * grid_one
-    for name, a, b in zip(["q", "k", "v", *tables], apart, one, strict=True):
-        if mode == "interpret":
-            assert torch.equal(a, b), f"d{name}"
-        else:
-            _assert_close(a, b, 1e-5, f"d{name}")
-        if name in ("q", "k", "v"):
-            assert torch.all(a[total:] == 0), f"d{name}: capacity-padding rows must be zero"
-
-
 def test_tma_setting_names_kernels():
     """`HSTU_TRITON_TMA`: 1 (or unset) the measured set, 0 none, else a list of kernels; a
     name that is not a kernel is refused with the valid ones."""
-    assert _launch._tma_kernels("1") == _launch._TMA_DEFAULT == {"fwd", "dq", "dkdv_apart"}
+    assert _launch._tma_kernels("1") == _launch._TMA_DEFAULT == {"fwd", "dq"}
     assert _launch._tma_kernels("") == _launch._TMA_DEFAULT
     assert _launch._tma_kernels("0") == frozenset()
     assert _launch._tma_kernels("fwd, dkdv,dq") == {"fwd", "dkdv", "dq"}
@@ -942,38 +906,6 @@ def test_load_probe_compiles_three_ways_for_hopper_without_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
-@pytest.mark.parametrize("spec", ["64,64,4,2,apart", "32,64,4,2,apart", "64,64,8,2,apart"])
-def test_dk_and_dv_apart_at_head_dim_256_in_bf16(spec):
-    """The dk / dv tiles the sweep offers with ``dkdv_apart`` (wgmma, descriptor loads) at
-    the recipe's head dim: the same dk and dv as the one-program default tiles, to bf16's
-    rounding, on jagged samples with contextual and candidate tokens."""
-    gen = torch.Generator().manual_seed(7)
-    lengths = torch.tensor([700, 1, 64, 1000, 333, 129])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
-    T, H, D = int(offsets[-1]) + 256, 4, 256
-    q, k, v, g = (
-        torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(4)
-    )  # fmt: skip
-    kw = dict(
-        max_seqlen=1000, alpha=D**-0.5, normalizer=1000.0,
-        num_contextual=torch.full((6,), 4, device="cuda"),
-        num_candidates=torch.tensor([20, 0, 8, 64, 0, 9], device="cuda"),
-    )  # fmt: skip
-
-    def grads(dkdv):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        blocks = (_launch.default_block_sizes(D, "fwd"), dkdv, _launch.default_block_sizes(D, "dq"))
-        out = hstu_attention(*leaves, offsets, **kw, block_sizes=blocks, backward="split")
-        return torch.autograd.grad(out, leaves, g)
-
-    want = grads(_launch.default_block_sizes(D, "dkdv"))
-    got = grads(BlockSizes.parse(spec))
-    for name, a, b in zip("qkv", got, want, strict=True):
-        _assert_close(a, b, 2e-2, f"d{name}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _CUDA or _INTERPRET, reason="needs CUDA")
 @pytest.mark.parametrize("loop", ["dq", "fwd"])
 def test_load_probe_variants_agree_and_are_timed_on_the_gpu(loop):
     """`probe_loads --time`: the pointer, descriptor and warp-specialised descriptor loops
@@ -1028,25 +960,14 @@ def test_block_sizes_name_a_bad_field_and_travel_through_the_ops_with_their_laun
         (dict(num_warps=0), "num_warps"),
         (dict(num_stages=0), "num_stages"),
         (dict(lead=-1), "lead"),
-        (dict(dkdv_apart=1), "dkdv_apart"),
     ):
         with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
             BlockSizes(**bad)
-    tiles = (
-        BlockSizes(32, 16, 1, 1, lead=3),
-        BlockSizes(16, 32, dkdv_apart=True),
-        BlockSizes(64, 64, 8, 3, lead=0),
-    )
+    tiles = (BlockSizes(32, 16, 1, 1, lead=3), BlockSizes(16, 32), BlockSizes(64, 64, 8, 3, lead=0))
     packed = hstu_attention_module._pack_blocks(tiles)
     assert all(isinstance(x, int) for x in packed)  # the torch.library ops take int lists
     fwd, (dkdv, dq) = hstu_attention_module._unpack_blocks(packed)
     assert (fwd, dkdv, dq) == tiles
-    # the command lines' form (tune, scripts/attention_jagged.py)
-    assert BlockSizes.parse("64,64,4,2,apart") == BlockSizes(64, 64, 4, 2, dkdv_apart=True)
-    assert BlockSizes.parse("64,32,4,3") == BlockSizes(64, 32, 4, 3)
-    for bad in ("64,32,4", "64,32,4,2,split", "a,32,4,2"):
-        with pytest.raises(ValueError, match="m,n,warps,stages"):
-            BlockSizes.parse(bad)
 
 
 def test_launch_order_defaults_per_kernel():
