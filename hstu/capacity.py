@@ -176,11 +176,12 @@ def _fitted(cfg, draw, num_contextual, num_buckets, num_draws, seed) -> Capacity
 
 
 def for_source(cfg, source=None) -> CapacityPolicy:
-    """The policy for the samples a run reads: drawn from the config when they are the config's
-    synthetic samples, from the dataset when they are a prepared dataset (either also behind
-    wrappers that keep the original as `.inner`), geometric buckets up to the largest possible
-    batch otherwise. Packed samples (`data.pack_window`) fill the capacities they were packed
-    to, unless the balancer re-partitions them (W > 1)."""
+    """The policy for the samples a run reads: `train.capacity_buckets` capacities drawn from
+    the config when they are the config's synthetic samples, from the dataset when they are a
+    prepared dataset (either also behind wrappers that keep the original as `.inner`),
+    geometric buckets up to the largest possible batch otherwise. Packed samples
+    (`data.pack_window`) fill the capacities they were packed to, unless the balancer
+    re-partitions them (W > 1)."""
     from hstu.data.loader import find_source
     from hstu.data.packing import PackedSource
     from hstu.data.prepared import PreparedDataset
@@ -189,14 +190,15 @@ def for_source(cfg, source=None) -> CapacityPolicy:
     packed = find_source(source, PackedSource)
     if packed is not None and not (cfg.balance.shuffler == "balanced" and cfg.dist.world_size > 1):
         return packed.policy
+    buckets = cfg.train.capacity_buckets
     if source is None:
-        return from_config(cfg)
+        return from_config(cfg, buckets)
     source = find_source(source, (SyntheticSamples, PreparedDataset))
     if source is None:
         return geometric(cfg.data.batch_size * cfg.data.max_seqlen)
     if isinstance(source, PreparedDataset):
-        return from_prepared(cfg, source)
-    return from_config(cfg)
+        return from_prepared(cfg, source, buckets)
+    return from_config(cfg, buckets)
 
 
 def block_policy(cfg, source=None) -> CapacityPolicy:

@@ -244,6 +244,12 @@ class TrainConfig:
         "first step, compiled in parallel threads, instead of each at its capacity's first "
         "step (the run pays the longest compile, not their sum; no effect in torch)",
     )
+    capacity_buckets: int = _opt(
+        8,
+        "token capacities a run's static-shape steps pad to (jax: one compiled step program "
+        "each; torch with train.cuda_graphs: one graph each), fitted to the batches the data "
+        "config draws (hstu/capacity.py): more pad less and build more programs; 2 to 32",
+    )
     graph_scope: str = _opt(
         "auto",
         "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "
@@ -258,6 +264,11 @@ class TrainConfig:
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
         _positive(self, p, "watchdog_s", "eval_every", allow_zero=True)
         _one_of(p + "graph_scope", self.graph_scope, ("auto", "stack"))
+        _check(
+            isinstance(self.capacity_buckets, int) and 2 <= self.capacity_buckets <= 32,
+            p + "capacity_buckets", self.capacity_buckets,
+            "must be an int from 2 to 32 (torch graphs past 32 shapes run eagerly)",
+        )  # fmt: skip
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, p + name, value, "must be in [0, 1)")
