@@ -57,7 +57,8 @@ for s in $sections; do  # before anything runs: a missing tree fails the call in
   esac
 done
 
-ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override sets alternating
+ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override sets alternating,
+  # then each set against the first over the same steps (scripts/ab_paired.py)
   local name=$1 sets=$2 batches=$3 rounds=$4 round b i
   local -a ovr_sets
   IFS='|' read -r -a ovr_sets <<< "$sets"
@@ -65,10 +66,18 @@ ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override se
     for b in $batches; do
       for i in "${!ovr_sets[@]}"; do
         run "${name}${i}_b${b}_$round" python -m hstu.cli bench e2e --config bench_upstream \
-          --backends $E2E_BACKENDS --shufflers identity --steps 30 \
+          --backends $E2E_BACKENDS --shufflers identity --steps ${OVR_STEPS:-30} \
           --probe-every ${OVR_PROBE_EVERY:-0} \
           --out /tmp/${name}${i}_b${b}_$round data.batch_size=$b ${ovr_sets[$i]}
       done
+    done
+  done
+  for b in $batches; do
+    for i in "${!ovr_sets[@]}"; do
+      [ "$i" -gt 0 ] || continue
+      run "${name}_paired${i}_b$b" python scripts/ab_paired.py \
+        --before $(for r in $(seq "$rounds"); do echo /tmp/${name}0_b${b}_$r; done) \
+        --after $(for r in $(seq "$rounds"); do echo /tmp/${name}${i}_b${b}_$r; done)
     done
   done
 }
@@ -162,7 +171,8 @@ print('torchrec', torchrec.__version__)" ;;
       # config A/B in one call: each set of overrides in $OVR_SETS (separated by '|'; an empty
       # set is the config as shipped), alternating, $E2E_BACKENDS at W=1 on bench_upstream,
       # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds ($OVR_PROBE_EVERY: steps
-      # between probes, 0 = none)
+      # between probes, 0 = none; $OVR_STEPS: steps per run, default 30), then each set
+      # against the first over the same steps
       ab_overrides ovr "${OVR_SETS:-}" "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
     flags)
       # XLA_FLAGS A/B in one call: each set in $FLAG_SETS (separated by '|'; an empty set is
