@@ -345,7 +345,7 @@ def test_attention_jagged_sets_mosaic_tiles_per_kernel_and_refuses_what_cannot_r
     assert script._parse_tiles(["fwd=32,3"], 2) == {"fwd": (32, 3)}
     fwd, dq, dkdv = script._mosaic_tiles({"dq": 4}, 256, {"fwd": (32, 3)})
     assert (fwd.block_kv, fwd.stages, fwd.lead) == (32, 3, None)
-    assert (dq.block_kv, dq.stages, dq.lead) == (32, 2, 4)  # dq's defaults at head dim 256
+    assert (dq.block_kv, dq.stages, dq.lead) == (32, 3, 4)  # dq's defaults at head dim 256
     assert (dkdv.block_kv, dkdv.stages) == (64, 2)
     base = ["--backend", "jax", "--lowering", "mosaic", "--no-recipe", "--equal", "1x64"]
     for bad, why in (
