@@ -57,8 +57,20 @@ for s in $sections; do  # before anything runs: a missing tree fails the call in
   esac
 done
 
+ab_paired_sets() {  # ab_paired_sets NAME NSETS 'BATCHES' ROUNDS: each set of runs
+  # /tmp/NAME{i}_b{b}_{round} against set 0 over the same steps (scripts/ab_paired.py)
+  local name=$1 nsets=$2 batches=$3 rounds=$4 b i
+  for b in $batches; do
+    for i in $(seq 1 $((nsets - 1))); do
+      run "${name}_paired${i}_b$b" python scripts/ab_paired.py \
+        --before $(for r in $(seq "$rounds"); do echo /tmp/${name}0_b${b}_$r; done) \
+        --after $(for r in $(seq "$rounds"); do echo /tmp/${name}${i}_b${b}_$r; done)
+    done
+  done
+}
+
 ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override sets alternating,
-  # then each set against the first over the same steps (scripts/ab_paired.py)
+  # then each set against the first over the same steps
   local name=$1 sets=$2 batches=$3 rounds=$4 round b i
   local -a ovr_sets
   IFS='|' read -r -a ovr_sets <<< "$sets"
@@ -72,14 +84,7 @@ ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override se
       done
     done
   done
-  for b in $batches; do
-    for i in "${!ovr_sets[@]}"; do
-      [ "$i" -gt 0 ] || continue
-      run "${name}_paired${i}_b$b" python scripts/ab_paired.py \
-        --before $(for r in $(seq "$rounds"); do echo /tmp/${name}0_b${b}_$r; done) \
-        --after $(for r in $(seq "$rounds"); do echo /tmp/${name}${i}_b${b}_$r; done)
-    done
-  done
+  ab_paired_sets "$name" ${#ovr_sets[@]} "$batches" "$rounds"
 }
 
 for s in $sections; do
@@ -178,7 +183,7 @@ print('torchrec', torchrec.__version__)" ;;
       # XLA_FLAGS A/B in one call: each set in $FLAG_SETS (separated by '|'; an empty set is
       # XLA's defaults), alternating, jax on bench_upstream, $AB_SHUFFLERS (default identity),
       # each batch size of $AB_BATCHES, $AB_ROUNDS rounds, overrides $AB_ARGS
-      # (dist.world_size=4: that many GPUs)
+      # (dist.world_size=4: that many GPUs), then each set against the first over the same steps
       IFS='|' read -r -a flag_sets <<< "${FLAG_SETS:-}"
       for round in $(seq ${AB_ROUNDS:-2}); do
         for b in ${AB_BATCHES:-8 32}; do
@@ -189,7 +194,8 @@ print('torchrec', torchrec.__version__)" ;;
               --probe-every 0 --out /tmp/flags${i}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
         done
-      done ;;
+      done
+      ab_paired_sets flags ${#flag_sets[@]} "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
     workers)
       # data.workers (batches built in worker processes) against the in-process loader: the
       # overrides A/B over batch sizes $WORKERS_BATCHES, two rounds
