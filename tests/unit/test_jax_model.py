@@ -172,7 +172,9 @@ def test_model_matches_numpy_reference(task, sharding):
         assert 0.0 <= float(aux["hr@10"]) <= float(aux["ndcg@10"]) * 10
 
 
-@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+# retrieval's in the slow tier (~6 s on 2 cores); its loss and gradients meet the numpy
+# reference in `make test` (test_model_matches_numpy_reference)
+@pytest.mark.parametrize("task", ["ranking", pytest.param("retrieval", marks=pytest.mark.slow)])
 def test_gradients_are_finite_with_padding(task, sharding):
     # Fresh init: zero norm biases make capacity-padding rows of z exactly zero, where a naive
     # normalisation has a NaN gradient even though the row is masked out of the loss.

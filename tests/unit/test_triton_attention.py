@@ -455,7 +455,12 @@ def test_uvqk_attention_equals_split_then_attention(mode, case, dtype, backward,
     assert torch.equal(g[:, : H * dv], grad_u) and torch.all(g[:, H * dv :] == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# bf16 in the slow tier (~6 s interpreted on 2 cores); fp32, the tighter check, in `make test`
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+    ids=["fp32", "bf16"],
+)
 @pytest.mark.parametrize("mode", MODES)
 def test_uvqk_attention_with_the_gated_norm_equals_the_op_then_the_norm(mode, dtype):
     """`hstu_uvqk_attention(norm=...)`: the attention and the layer's gated norm in one op,
@@ -721,7 +726,9 @@ def test_default_tiles_per_head_dim_and_kernel():
             assert _launch.default_backward(dim, dtype) == "split"
 
 
-@pytest.mark.parametrize("backward", ["split", "fused"])
+# the fused backward's capture in the slow tier (~4 s interpreted on 2 cores), split's in
+# `make test`: the op's registration is the same
+@pytest.mark.parametrize("backward", ["split", pytest.param("fused", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", MODES)
 def test_custom_op_registration_and_graph_capture(mode, backward, monkeypatch, spy_launches):
     """The ops' schemas, fake kernels and autograd (opcheck), torch.compile with fullgraph and
@@ -863,6 +870,7 @@ def test_adjacent_gradients_zero_their_padding_in_one_launch(mode, monkeypatch):
     assert bool((grad[end:, H * D : 2 * H * D] == 1).all()) and bool((grad[:end] == 1).all())
 
 
+@pytest.mark.slow  # ~7 s of offline compiles on 2 cores, as the load probe's
 def test_offline_resource_report_compiles_for_hopper_without_a_gpu():
     """`python -m hstu_kernels.triton.resources` compiles the kernels (forward, the split
     backward's two and the fused backward's one) for sm_90a on a machine without that GPU (its
