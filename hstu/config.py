@@ -81,6 +81,14 @@ class ModelConfig:
         "Triton kernel (kernels/triton/linear_silu.py); elsewhere autodiff's; jax: no effect "
         "(XLA fuses autodiff's; the Pallas kernel of it timed slower, docs/BENCHMARKS.md)",
     )
+    silu_epilogues: bool = _opt(
+        False,
+        "torch on CUDA with model.attention=kernel, fused_norm and fused_silu: SiLU's backward "
+        "and the uvqk bias gradient in the epilogues of the kernels that write the gradients "
+        "(the attention's dk/dv and dq, the gated norm's; hstu_linear_uvqk_attention), no "
+        "SiLU-backward pass of its own; off: the epilogues cost more than the pass they "
+        "replace (+6 percent step time on an H200, docs/BENCHMARKS.md); jax: no effect",
+    )
     pallas_lowering: str = _opt(
         "triton",
         "jax kernel: the Pallas lowering of the attention kernels (forward, dq, dk/dv), triton "

@@ -49,16 +49,19 @@ def get_attention(
 
 
 def get_uvqk_attention(
-    name: str, device: torch.device | str, backward: str = "auto"
+    name: str, device: torch.device | str, backward: str = "auto", linear: bool = False
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The kernel's split-and-attention op (`hstu_uvqk_attention`: the layer's u, v, q, k
     columns in, `(u, attention)` out, its gradient built in one buffer) for `model.attention`
-    = kernel; None for the reference, which the layer calls on the split columns."""
+    = kernel; None for the reference, which the layer calls on the split columns. `linear`:
+    the op from the layer's normed input to its gated norm instead (`hstu_linear_uvqk_attention`:
+    the uvqk projection and its SiLU too, SiLU's backward in the kernels' epilogues)."""
     get_attention(name, device, backward)  # the same checks, the same errors
     if name != "kernel":
         return None
-    from hstu_kernels.triton import hstu_uvqk_attention
+    from hstu_kernels.triton import hstu_linear_uvqk_attention, hstu_uvqk_attention
 
+    op = hstu_linear_uvqk_attention if linear else hstu_uvqk_attention
     if backward == "auto":
-        return hstu_uvqk_attention
-    return functools.partial(hstu_uvqk_attention, backward=backward)
+        return op
+    return functools.partial(op, backward=backward)

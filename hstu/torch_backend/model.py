@@ -188,6 +188,10 @@ class HSTULayer(nn.Module):
         self.alpha = cfg.resolved_alpha
         self.normalizer, self.dropout = cfg.normalizer, cfg.dropout
         self.fused_silu = False  # `model.fused_silu` on CUDA (HSTUModel sets it)
+        # `model.silu_epilogues` on CUDA (HSTUModel sets it): the kernel op from the normed
+        # input to the gated norm (`get_uvqk_attention(linear=True)`), used with fused_silu
+        # and the fused norms
+        self.linear_uvqk_attention = None
 
     def forward(
         self,
@@ -207,12 +211,6 @@ class HSTULayer(nn.Module):
         if reduced is None and x.dtype != self.uvqk.kernel.dtype:
             reduced = reduced_weights([self.uvqk, self.output], x.dtype)
         uvqk_lp, output_lp = reduced or (None, None)
-        if self.fused_silu:  # SiLU's backward and the bias gradient in one kernel
-            from hstu_kernels.triton.linear_silu import linear_silu
-
-            uvqk = linear_silu(normed, self.uvqk.kernel, self.uvqk.bias, uvqk_lp)
-        else:
-            uvqk = F.silu(self.uvqk(normed, uvqk_lp))
         kw = dict(
             max_seqlen=seq["max_seqlen"],
             alpha=self.alpha,
@@ -224,9 +222,23 @@ class HSTULayer(nn.Module):
             rab_time=self.rab_time.to(x.dtype) if self.rab_time is not None else None,
         )
         dims = dict(num_heads=h, linear_dim=dv, attention_dim=dqk)
+        norm = (self.attn_norm.scale, self.attn_norm.bias, LN_EPS)
+        if self.linear_uvqk_attention is not None and self.fused_silu and self.attn_norm.fused:
+            # the projection, SiLU, attention and gated norm in one op: SiLU's backward and
+            # the bias gradient in the kernels that write the gradients
+            y = self.linear_uvqk_attention(
+                normed, self.uvqk.kernel, self.uvqk.bias, seq["offsets"], **dims, **kw,
+                norm=norm, reduced=uvqk_lp,
+            )  # fmt: skip
+            return self._output(x, y, output_lp)
+        if self.fused_silu:  # SiLU's backward and the bias gradient in one kernel
+            from hstu_kernels.triton.linear_silu import linear_silu
+
+            uvqk = linear_silu(normed, self.uvqk.kernel, self.uvqk.bias, uvqk_lp)
+        else:
+            uvqk = F.silu(self.uvqk(normed, uvqk_lp))
         if self.uvqk_attention is not None and self.attn_norm.fused:
             # the gated norm inside the op: u's gradient written in place
-            norm = (self.attn_norm.scale, self.attn_norm.bias, LN_EPS)
             y = self.uvqk_attention(uvqk, seq["offsets"], **dims, **kw, norm=norm)
         else:
             if self.uvqk_attention is not None:
@@ -242,6 +254,10 @@ class HSTULayer(nn.Module):
                     **kw,
                 )
             y = self.attn_norm(a.reshape(-1, h * dv), gate=u)
+        return self._output(x, y, output_lp)
+
+    def _output(self, x, y, output_lp):
+        """`(x, branch)` from the gated norm's output `y`: dropout and the output projection."""
         y = F.dropout(y, self.dropout, self.training)
         if self.input_norm.fused:  # the next norms are too (`model.fused_norm`)
             return x, (self.output(y, output_lp, bias=False), self.output.bias)
@@ -312,8 +328,12 @@ class HSTUModel(nn.Module):
         for module in self.modules():
             if isinstance(module, LayerNorm):
                 module.fused = cfg.fused_norm and cuda
+        linear_op = None
+        if cfg.silu_epilogues and cuda:
+            linear_op = get_uvqk_attention(impl, device, cfg.attention_backward, linear=True)
         for layer in self.layers:
             layer.fused_silu = cfg.fused_silu and cuda
+            layer.linear_uvqk_attention = linear_op
         # a reduced-precision model's fp32 head on CUDA with TF32 math; an fp32 model keeps it
         # full fp32, so its GPU run stays within fp32 rounding of the CPU's
         self.use_tf32_head(cuda and self.compute_dtype != torch.float32)

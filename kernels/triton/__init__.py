@@ -15,11 +15,12 @@ __all__ = [
     "BlockSizes",
     "hstu_attention",
     "hstu_attention_reference",
+    "hstu_linear_uvqk_attention",
     "hstu_mask_reference",
     "hstu_uvqk_attention",
 ]
 
-_LAZY = ("BlockSizes", "hstu_attention", "hstu_uvqk_attention")
+_LAZY = ("BlockSizes", "hstu_attention", "hstu_linear_uvqk_attention", "hstu_uvqk_attention")
 
 
 def __getattr__(name: str):

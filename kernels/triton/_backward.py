@@ -11,6 +11,7 @@ from ._common import (
     _add,
     _block_start,
     _dot,
+    _entry,
     _key_ranges,
     _load_tile,
     _logits,
@@ -22,6 +23,7 @@ from ._common import (
     _sample_info,
     _sample_sources,
     _sigmoid,
+    _silu_store_rows,
     _store_rows,
     _time_bucket,
     _time_path,
@@ -86,7 +88,8 @@ def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: 
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DQacc, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts,
+    TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
@@ -94,11 +97,15 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of one sample and head: dk / dv over the query blocks that can see it,
     and with FUSED each tile's dq share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO
-    read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles."""
+    read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles.
+    ``SILU``: k and v are ``silu(PreK)``, ``silu(PreV)`` (laid out as K, V): dk and dv are
+    stored as the gradients of the pre-activations, their column sums as the program's rows
+    of the bias partials ``BPartK [G, H DQK]``, ``BPartV [G, H DV]`` (``_silu_store_rows``;
+    ``SILU_TMA``: PreK / PreV read through descriptors)."""
     n_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
@@ -161,13 +168,27 @@ def _dkdv_program(
                 inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
                 PREC, FAST, True, FUSED, TMA,
             )  # fmt: skip
-        _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
-        _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
+        if SILU:
+            j, _ = _entry(tl.program_id(0), H, G, Lead)
+            _silu_store_rows(
+                DVout, dv * inv_norm, PreV + h * stride_vh, rows_n, in_n, stride_dvt, stride_vt,
+                BPartV + j.to(tl.int64) * (H * DV) + h * DV, seq_start, n, n0, DV, BLOCK_DV,
+                SILU_TMA,
+            )  # fmt: skip
+            _silu_store_rows(
+                DK, dk * alpha, PreK + h * stride_kh, rows_n, in_n, stride_dkt, stride_kt,
+                BPartK + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, n0, DQK, BLOCK_DQK,
+                SILU_TMA,
+            )  # fmt: skip
+        else:
+            _store_rows(DK, rows_n, in_n, stride_dkt, dk * alpha, DQK, BLOCK_DQK)
+            _store_rows(DVout, rows_n, in_n, stride_dvt, dv * inv_norm, DV, BLOCK_DV)
 
 
 @triton.jit
 def _hstu_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
+    RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
@@ -175,14 +196,16 @@ def _hstu_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
+    SILU: tl.constexpr, SILU_TMA: tl.constexpr,
 ):  # fmt: skip
     """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DK, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DK, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts,
+        TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G,
         Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
-        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA,
+        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA, SILU, SILU_TMA,
     )  # fmt: skip
 
 
@@ -201,12 +224,13 @@ def _hstu_bwd_fused_kernel(
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
     launch multiplies by alpha). No bias-table gradients (the launch uses split for those)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DQacc, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DQacc, K, V, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
+        RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
         stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK,
         DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
-        FAST, True, OUT_LIKE_IN, TMA,
+        FAST, True, OUT_LIKE_IN, TMA, False, False,
     )  # fmt: skip
 
 
@@ -317,7 +341,8 @@ def _dq_tile(
 
 @triton.jit
 def _hstu_bwd_dq_kernel(
-    Q, K, V, DO, DQ, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime, DRabPos, DRabTime,
+    Q, K, V, DO, DQ, PreQ, BPart, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
+    DRabPos, DRabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -325,7 +350,12 @@ def _hstu_bwd_dq_kernel(
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
+    SILU: tl.constexpr, SILU_TMA: tl.constexpr,
 ):  # fmt: skip
+    """dq per query block (and the bias tables' gradients). ``SILU``: q is ``silu(PreQ)``
+    (laid out as Q): dq is stored as the pre-activation's gradient, its column sums as the
+    program's row of the bias partials ``BPart [G, H DQK]`` (``_silu_store_rows``; ``SILU_TMA``:
+    PreQ read through a descriptor)."""
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
         tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
@@ -385,7 +415,15 @@ def _hstu_bwd_dq_kernel(
                 DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
                 HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, True, TMA,
             )  # fmt: skip
-        _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
+        if SILU:
+            j, _ = _entry(tl.program_id(0), H, G, Lead)
+            _silu_store_rows(
+                DQ, dq * alpha, PreQ + h * stride_qh, rows_m, in_m, stride_dqt, stride_qt,
+                BPart + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, m0, DQK, BLOCK_DQK,
+                SILU_TMA,
+            )  # fmt: skip
+        else:
+            _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
         if TIME_GRAD:
             offs_tb = tl.arange(0, BLOCK_TB)
             if TIME_GRAD == 2:

@@ -240,19 +240,26 @@ def _zero_tail_kernel(
 
 
 @triton.jit
-def _sample_info(
-    pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr,
-    HAS_CAND: tl.constexpr,
-):  # fmt: skip
-    """The program's block, head and sample (start, length n, contextual C, history end) from
-    the launch's schedule table; ``n = 0`` for a program with nothing to do. Programs go out
-    in ``pid`` order: the table's first ``Lead`` entries (``Lead <= G``) with their heads
-    together, then the rest head by head (``BlockSizes.lead``)."""
+def _entry(pid, H, G, Lead):
+    """The program's (schedule entry j, head h). Programs go out in ``pid`` order: the table's
+    first ``Lead`` entries (``Lead <= G``) with their heads together, then the rest head by
+    head (``BlockSizes.lead``)."""
     front = pid < Lead * H
     back = pid - Lead * H
     rest = tl.maximum(G - Lead, 1)
     j = tl.where(front, pid // H, Lead + back % rest)
     h = tl.where(front, pid % H, back // rest)
+    return j, h
+
+
+@triton.jit
+def _sample_info(
+    pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX: tl.constexpr,
+    HAS_CAND: tl.constexpr,
+):  # fmt: skip
+    """The program's block, head and sample (start, length n, contextual C, history end) from
+    the launch's schedule table (``_entry``); ``n = 0`` for a program with nothing to do."""
+    j, h = _entry(pid, H, G, Lead)
     blk = tl.load(Sched + j)
     b = tl.load(Sched + G + j)
     seq_start = tl.load(SeqOffsets + b)
@@ -379,6 +386,60 @@ def _load_tile(Src, start, rows, in_rows, stride, D: tl.constexpr, BLOCK_D: tl.c
     else:
         t = _load_rows(Src, rows, in_rows, stride, D, BLOCK_D)
     return t
+
+
+@triton.jit
+def _silu_grad_part(
+    g, Pre, rows, in_rows, stride, Part, c0, seq_start, n, start, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """``_silu_store_rows`` of the columns ``[c0, c0 + BLOCK_D)``: ``g`` is their tile."""
+    offs_d = c0 + tl.arange(0, BLOCK_D)
+    mask = in_rows[:, None] & (offs_d[None, :] < D)
+    if TMA:  # a coalesced copy; pointer loads in the accumulator's layout cost ~40 us a layer
+        desc = _rows_desc(Pre, seq_start, n, stride, D, g.shape[0], BLOCK_D)
+        pre = desc.load([start, c0])
+    else:
+        pre = tl.load(Pre + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+    pre = pre.to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-pre))
+    g = tl.where(mask, g * s * (1.0 + pre * (1.0 - s)), 0.0)
+    tl.store(Part + offs_d, tl.reduce(g, 0, _add), mask=offs_d < D)
+    return g, offs_d, mask
+
+
+@triton.jit
+def _silu_store_rows(
+    Out, g, Pre, rows, in_rows, stride_out, stride_pre, Part, seq_start, n, start,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Store ``g * silu'(pre)`` where ``_store_rows(Out, ...)`` would store ``g``: ``g`` (fp32)
+    the gradient of ``silu(pre)`` at token rows ``rows`` (rows ``start + [0, len(rows))`` of
+    the sample at ``seq_start`` of length ``n``) of ``Pre`` (the pre-activation, rows
+    ``stride_pre`` apart), zero outside ``in_rows``; its column sums (fp32, before rounding)
+    stored at ``Part[:D]`` (this program's row of the bias gradient's partials). silu'(x) =
+    s (1 + x (1 - s)), s = sigmoid(x), in fp32 as torch's SiLU backward. ``TMA``: ``Pre``
+    read through a descriptor. Wide tiles go in two column halves (a whole 64 x 256 tile with
+    its pre-activation spilled 2 KB per thread in the dq kernel, sm_90a, and ran slower)."""
+    if BLOCK_D >= 128:
+        HALF: tl.constexpr = BLOCK_D // 2
+        lo, hi = tl.split(tl.permute(tl.reshape(g, [g.shape[0], 2, HALF]), [0, 2, 1]))
+        lo, offs, mask = _silu_grad_part(
+            lo, Pre, rows, in_rows, stride_pre, Part, 0, seq_start, n, start, D, HALF, TMA
+        )
+        tl.store(Out + rows[:, None] * stride_out + offs[None, :],
+                 lo.to(Out.dtype.element_ty), mask=mask)  # fmt: skip
+        hi, offs, mask = _silu_grad_part(
+            hi, Pre, rows, in_rows, stride_pre, Part, HALF, seq_start, n, start, D, HALF, TMA
+        )
+        tl.store(Out + rows[:, None] * stride_out + offs[None, :],
+                 hi.to(Out.dtype.element_ty), mask=mask)  # fmt: skip
+    else:
+        g, offs, mask = _silu_grad_part(
+            g, Pre, rows, in_rows, stride_pre, Part, 0, seq_start, n, start, D, BLOCK_D, TMA
+        )
+        tl.store(Out + rows[:, None] * stride_out + offs[None, :],
+                 g.to(Out.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit

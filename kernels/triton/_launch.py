@@ -192,8 +192,12 @@ def use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
     """Whether ``kernel`` loads ``tensors`` ([T, H, D] each) through tensor descriptors:
     enabled for it (``HSTU_TRITON_TMA``), on sm_90+ (or the interpreter), with 16-byte
     aligned base pointers and row / head strides and a contiguous last dim, as TMA requires."""
-    if kernel not in _TMA_KERNELS:
-        return False
+    return kernel in _TMA_KERNELS and tma_capable(*tensors)
+
+
+def tma_capable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can read ``tensors`` ([T, H, D] each): on sm_90+ (or the interpreter), with
+    16-byte aligned base pointers and row / head strides and a contiguous last dim."""
     first = tensors[0]
     if not is_interpret_mode() and (
         not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9
@@ -413,15 +417,32 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
 
 def _bwd_impl(
     grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
-    need_rp, need_rt, bs, backward="split", out=None,
+    need_rp, need_rt, bs, backward="split", out=None, silu=None,
 ):  # fmt: skip
     """``bs``: the (dk/dv, dq) kernels' BlockSizes; ``backward``: "split" or "fused" (the dk/dv
     tiles, one launch, dq added atomically into an fp32 buffer). "fused" runs split where a
     bias-table gradient is needed: the dq kernel reduces those. ``out``: None, or the
     (dq, dk, dv) tensors to write, any row / head strides (columns of one buffer: the caller
-    then needs no concatenation); returned as given."""
+    then needs no concatenation); returned as given.
+
+    ``silu``: None, or ``(pre_q, pre_k, pre_v)`` with q, k, v = silu of them, each laid out
+    as its activation (same strides): the kernels then write the pre-activations' gradients
+    (SiLU's backward in their epilogues, split backward only) and the bias gradient's column
+    sums per program, returned sixth as fp32 ``(part_q [Gq, H Dqk], part_k [Gkv, H Dqk],
+    part_v [Gkv, H Dv])``: each column's sum over the rows of its part is that column's bias
+    gradient (``linear_silu.sum_partials``)."""
     dkdv_bs, dq_bs = bs
     check_backward(backward)
+    if silu is not None:
+        if backward != "split":
+            raise ValueError(f"silu's backward runs in the split kernels only, got {backward!r}")
+        for name, x, pre in zip("qkv", (q, k, v), silu, strict=True):
+            if pre.shape != x.shape or pre.stride() != x.stride() or pre.dtype != x.dtype:
+                raise ValueError(
+                    f"silu's pre-activation of {name} must be laid out as {name} (shape "
+                    f"{tuple(x.shape)}, strides {x.stride()}, {x.dtype}), got "
+                    f"{tuple(pre.shape)}, {pre.stride()}, {pre.dtype}"
+                )
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad_out = _last_dim_contiguous(grad_out.to(q.dtype))
     T, H, _ = q.shape
@@ -436,6 +457,9 @@ def _bwd_impl(
     drt = torch.zeros(rt_.shape, **f32) if time_grad else torch.empty(0, **f32)
     B = seq_offsets.shape[0] - 1
     num_m = triton.cdiv(max_seqlen, dq_bs.block_m)
+    parts = None
+    if silu is not None:  # zeros: programs without rows, and empty launches, add nothing
+        parts = [torch.zeros((0, H * x.shape[2]), **f32) for x in (q, k, v)]
     if B > 0 and H > 0 and num_m > 0:
         so, nc, nk, ts, rp, rt = _prep(seq_offsets, nc_, nk_, ts_, rp_, rt_, seq_offsets)
         P = rp_.shape[1] if rp_ is not None else 1
@@ -453,6 +477,16 @@ def _bwd_impl(
         with _device_ctx(q):
             tsr = _time_range(ts, so) if rt_ is not None else so
             grid, table, G = _schedule(so, T, H, max_seqlen, dkdv_bs.block_n, key_major=True)
+            if silu is not None:
+                parts[1:] = [torch.zeros((G, H * x.shape[2]), **f32) for x in (k, v)]
+            pre_k, pre_v = silu[1:] if silu is not None else (k, v)
+            part_k, part_v = parts[1:] if silu is not None else (dk, dv)
+            # the pre-activations through descriptors wherever TMA can read them (unless
+            # HSTU_TRITON_TMA=0): pointer loads in the accumulators' layout ran ~40 us a
+            # layer slower per kernel at bench_upstream's batch 32 (H200)
+            silu_tma = silu is not None and bool(_TMA_KERNELS) and tma_capable(*silu)
+            if silu_tma:
+                _ensure_allocator()
             paths = _time_paths(rt_)
             tma = use_tma("fused" if fused else "dkdv", q, k, v, grad_out)
             if tma:
@@ -469,13 +503,16 @@ def _bwd_impl(
             else:
                 for has_time in paths:
                     _hstu_bwd_dkdv_kernel[grid](
-                        q, k, v, grad_out, dk, dv, so, nc, nk, ts, tsr, rp, rt,
-                        *inputs, *dkdv_out, *tables, table, G,
+                        q, k, v, grad_out, dk, dv, pre_k, pre_v, part_k, part_v, so, nc, nk,
+                        ts, tsr, rp, rt, *inputs, *dkdv_out, *tables, table, G,
                         launch_lead("dkdv", dkdv_bs.lead, G), H, *scalars,
-                        OUT_LIKE_IN=dkdv_like, TMA=tma,
+                        OUT_LIKE_IN=dkdv_like, TMA=tma, SILU=silu is not None,
+                        SILU_TMA=silu_tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
+                if silu is not None:
+                    parts[0] = torch.zeros((G, H * q.shape[2]), **f32)
                 pos_mode, time_mode = _table_grad_modes(
                     pos_grad, time_grad, q.shape[2], P, max_seqlen
                 )
@@ -484,12 +521,14 @@ def _bwd_impl(
                     _ensure_allocator()
                 for has_time in paths:
                     _hstu_bwd_dq_kernel[grid](
-                        q, k, v, grad_out, dq, so, nc, nk, ts, tsr, rp, rt,
+                        q, k, v, grad_out, dq, silu[0] if silu is not None else q,
+                        parts[0] if silu is not None else dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
                         *inputs, dq.stride(0), dq.stride(1), *tables, table, G,
                         launch_lead("dq", dq_bs.lead, G), H, *scalars,
                         BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
                         TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
+                        SILU=silu is not None, SILU_TMA=silu_tma,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
                     )  # fmt: skip
             _zero_tails((dk, dv) if fused else (dq, dk, dv), so)
@@ -502,4 +541,6 @@ def _bwd_impl(
         drp = drp.to(rp_.dtype)
     if time_grad:
         drt = drt.to(rt_.dtype)
+    if silu is not None:
+        return dq, dk, dv, drp, drt, tuple(parts)
     return dq, dk, dv, drp, drt

@@ -51,6 +51,7 @@ import torch
 
 from ..tiles import resolve_tiles
 from . import layer_norm as _ln
+from . import linear_silu as _ls
 from ._launch import (
     INTERPRET_BLOCK_SIZES,  # noqa: F401 (re-export)
     BlockSizes,
@@ -62,7 +63,13 @@ from ._launch import (
     is_interpret_mode,
 )
 
-__all__ = ["BlockSizes", "hstu_attention", "hstu_uvqk_attention", "is_interpret_mode"]
+__all__ = [
+    "BlockSizes",
+    "hstu_attention",
+    "hstu_linear_uvqk_attention",
+    "hstu_uvqk_attention",
+    "is_interpret_mode",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,6 +308,70 @@ class _UvqkAttentionNorm(torch.autograd.Function):
         nothing = (None,) * 11  # eps, heads, dv, dqk, offsets, ..., timestamps
         tables = (drp if need_rp else None, drt if need_rt else None)
         return (grad, dweight, dbias, *nothing, *tables, None, None)
+
+
+class _LinearUvqkAttentionNorm(torch.autograd.Function):
+    """``hstu_linear_uvqk_attention``: ``uvqk = silu(x @ w + b)``, its attention and the gated
+    norm, in one op whose backward runs SiLU's backward where the gradients are written: the
+    gated norm's kernel writes the gradient of u's pre-activation (it reads that instead of
+    u: ``u = silu(p)`` in registers), the dk / dv and dq kernels those of v's, k's and q's in
+    their epilogues (``_bwd_impl(silu=...)``), and each sums its columns of the bias gradient
+    per program. What the separate SiLU-backward kernel (``linear_silu``) read and wrote, the
+    ``[T, W]`` gradient of ``silu(pre)`` once each way, is gone; the kernels read ``pre``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_x, bias_x, nweight, nbias, eps, heads, linear_dim,
+                attention_dim, *inputs):  # fmt: skip
+        *args, blocks, backward = inputs
+        w = weight.to(x.dtype) if weight_x is None else weight_x
+        pre = torch.addmm(bias.to(x.dtype) if bias_x is None else bias_x, x, w)
+        uvqk = torch.nn.functional.silu(pre)
+        u, v, q, k = _uvqk_views(uvqk, heads, linear_dim, attention_dim)
+        out = _fwd_impl(q, k, v, *args, _unpack_blocks(blocks)[0])
+        out2 = out.view(out.shape[0], heads * linear_dim)
+        y, _, mean, rstd = _ln.forward(out2, nweight, nbias, eps, g2=u)
+        seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, rp, rt = args
+        ctx.save_for_backward(x, w, pre, q, k, v, seq_offsets, nc, nk, ts, rp, rt, out2,
+                              nweight, nbias, mean, rstd)  # fmt: skip
+        ctx.args = (max_seqlen, alpha, normalizer, list(blocks), backward)
+        ctx.layout = (heads, linear_dim, attention_dim, weight.dtype, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x, w, pre, q, k, v, seq_offsets, nc, nk, ts, rp, rt, out2, nweight, nbias, mean,
+         rstd) = ctx.saved_tensors  # fmt: skip
+        max_seqlen, alpha, normalizer, blocks, backward = ctx.args
+        heads, linear_dim, attention_dim, weight_dtype, bias_dtype = ctx.layout
+        # (x, weight, bias, weight_x, bias_x, nweight, nbias, eps, heads, dv, dqk, offsets,
+        #  max_seqlen, alpha, normalizer, nc, nk, ts, rp [18], rt [19], blocks, backward)
+        need = ctx.needs_input_grad
+        need_rp, need_rt = rp is not None and need[18], rt is not None and need[19]
+        grad = torch.empty_like(pre)  # of pre: every column written below
+        gu, gv, gq, gk = _uvqk_views(grad, heads, linear_dim, attention_dim)
+        pu, pv, pq, pk = _uvqk_views(pre, heads, linear_dim, attention_dim)
+        dy2 = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dout, _, dnweight, dnbias, _, part_u = _ln.backward(
+            out2, nweight, nbias, mean, rstd, dy2, dg=gu, gate_pre=pu
+        )
+        *_, drp, drt, (part_q, part_k, part_v) = _bwd_impl(
+            dout.view(q.shape[0], heads, linear_dim), q, k, v, seq_offsets, max_seqlen, alpha,
+            normalizer, nc, nk, ts, rp, rt, need_rp, need_rt, _unpack_blocks(blocks)[1],
+            backward, out=(gq, gk, gv), silu=(pq, pk, pv),
+        )  # fmt: skip
+        dbias = None
+        if need[2]:  # the columns' partials: u, v, q, k
+            dbias = torch.empty(pre.shape[1], dtype=bias_dtype, device=pre.device)
+            hv, hqk = heads * linear_dim, heads * attention_dim
+            at = 0
+            for part, width in zip((part_u, part_v, part_q, part_k), (hv, hv, hqk, hqk)):
+                _ls.sum_partials(part, dbias[at : at + width])
+                at += width
+        dx, dweight = _ls.weight_grads(x, w, grad, weight_dtype, need[0], need[1])
+        tables = (drp if need_rp else None, drt if need_rt else None)
+        nothing = (None,) * 11  # eps, heads, dv, dqk, offsets, max_seqlen, ..., timestamps
+        return (dx, dweight, dbias, None, None, dnweight, dnbias, *nothing, *tables, None,
+                None)  # fmt: skip
 
 
 # set to False to route eager calls through the torch.library op as well
@@ -545,6 +616,68 @@ def hstu_uvqk_attention(
         )
     # u from the op (not the view above): its gradient goes into the op's one buffer
     return _UvqkAttention.apply(uvqk, num_heads, linear_dim, attention_dim, *args[3:])
+
+
+def hstu_linear_uvqk_attention(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    *,
+    norm: tuple[torch.Tensor, torch.Tensor, float],
+    num_heads: int,
+    linear_dim: int,
+    attention_dim: int,
+    max_seqlen: int,
+    alpha: float,
+    normalizer: float,
+    num_contextual: torch.Tensor | None = None,
+    num_candidates: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    rab_pos: torch.Tensor | None = None,
+    rab_time: torch.Tensor | None = None,
+    block_sizes: BlockSizes | tuple[BlockSizes, ...] | None = None,
+    backward: str | None = None,
+    reduced: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The HSTU layer from its normed input to its gated norm in one op:
+    ``hstu_uvqk_attention(linear_silu(x, weight, bias, reduced), seq_offsets, norm=norm, ...)``
+    (every argument means what it means there), the same values and gradients, with SiLU's
+    backward and the uvqk bias gradient done by the kernels that write the gradients
+    (``_LinearUvqkAttentionNorm``). Where the attention runs the fused backward (dq atomics)
+    or torch.compile traces, it is that composition."""
+    _ls._check(x, weight, bias)
+    width = num_heads * (2 * linear_dim + 2 * attention_dim)
+    if weight.shape[1] != width:
+        raise ValueError(
+            f"weight must be [in, {width}] (num_heads * (2 linear_dim + 2 attention_dim)), got "
+            f"shape {tuple(weight.shape)}"
+        )
+    if reduced is not None and (reduced[0].shape, reduced[1].shape) != (weight.shape, bias.shape):
+        raise ValueError(
+            f"reduced copies of shapes {tuple(reduced[0].shape)}, {tuple(reduced[1].shape)} "
+            f"for weight {tuple(weight.shape)} and bias {tuple(bias.shape)}"
+        )
+    dims = dict(num_heads=num_heads, linear_dim=linear_dim, attention_dim=attention_dim)
+    kw = dict(
+        max_seqlen=max_seqlen, alpha=alpha, normalizer=normalizer,
+        num_contextual=num_contextual, num_candidates=num_candidates, timestamps=timestamps,
+        rab_pos=rab_pos, rab_time=rab_time, block_sizes=block_sizes, backward=backward,
+    )  # fmt: skip
+    # the op's checks and resolved arguments, on a stand-in of uvqk's shape (one element)
+    _, v, q, k = _uvqk_views(
+        x.new_empty(1).expand(x.shape[0], width), num_heads, linear_dim, attention_dim
+    )
+    args = _op_args(q, k, v, seq_offsets, *kw.values())
+    nweight, nbias, eps = _check_norm(norm, num_heads * linear_dim, x.device)
+    if args[-1] != "split" or not EAGER_FAST_PATH or torch.compiler.is_compiling():
+        uvqk = _ls.linear_silu(x, weight, bias, reduced)
+        return hstu_uvqk_attention(uvqk, seq_offsets, **dims, **kw, norm=norm)
+    weight_x, bias_x = reduced if reduced is not None else (None, None)
+    return _LinearUvqkAttentionNorm.apply(
+        x, weight, bias, weight_x, bias_x, nweight, nbias, eps, num_heads, linear_dim,
+        attention_dim, *args[3:],
+    )  # fmt: skip
 
 
 def _check_norm(norm, width: int, device) -> tuple[torch.Tensor, torch.Tensor, float]:

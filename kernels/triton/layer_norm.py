@@ -70,15 +70,17 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART, DRB_PART,
+    X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART, DRB_PART, DG_PART,
     stride_x, stride_g, stride_dy, stride_dh, stride_dx, stride_dg, T, D,
-    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, HAS_RB: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, HAS_RB: tl.constexpr,
+    GATE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
     gradient sums as row `pid` of the partials. `HAS_DH`: `X` is a residual sum `h` whose
     own upstream gradient `DH` joins the norm's (dx = dh + the norm's dx). `HAS_RB`: the
-    column sums of dx (fp32, before its rounding) as row `pid` of the residual bias's."""
+    column sums of dx (fp32, before its rounding) as row `pid` of the residual bias's.
+    `GATE_SILU`: `G` holds the gate's pre-activation `p` (gate = silu(p)), and `DG` gets
+    `p`'s gradient, its column sums (fp32) as row `pid` of `DG_PART`."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -87,6 +89,7 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
     drb = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dgs = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)  # reduced once, after the rows
     for start in range(0, ROWS, BLOCK_R):
         rows = pid.to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
         rmask = rows < T
@@ -100,12 +103,18 @@ def _layer_norm_bwd_kernel(
         if HAS_GATE:
             g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
             dg = dn * (xhat * w[None, :] + b[None, :])
+            g = g.to(tl.float32)
+            if GATE_SILU:  # g is the pre-activation p: the gate is silu(p)
+                sg = 1.0 / (1.0 + tl.exp(-g))
+                dg = tl.where(mask, dg * sg * (1.0 + g * (1.0 - sg)), 0.0)
+                dgs += dg
+                g = g * sg
             tl.store(
                 DG + rows[:, None] * stride_dg + cols[None, :],
                 dg.to(DG.dtype.element_ty),
                 mask=mask,
             )
-            dn = dn * g.to(tl.float32)
+            dn = dn * g
         dw += tl.sum(dn * xhat, axis=0)
         db += tl.sum(dn, axis=0)
         wdn = dn * w[None, :]
@@ -124,6 +133,8 @@ def _layer_norm_bwd_kernel(
     tl.store(DB_PART + pid * D + cols, db, mask=cmask)
     if HAS_RB:
         tl.store(DRB_PART + pid * D + cols, drb, mask=cmask)
+    if GATE_SILU:
+        tl.store(DG_PART + pid * D + cols, tl.sum(dgs, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -206,14 +217,22 @@ def forward(x2, weight, bias, eps, g2=None, r2=None, y=None, rb=None):
 
 
 def backward(
-    x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=None, rb=None
+    x2, weight, bias, mean, rstd, dy2, g2=None, dh2=None, dx=None, dg=None, rb=None,
+    gate_pre=None,
 ):  # fmt: skip
     """The gradients of `forward`: `(dx, dgate, dweight, dbias, dresidual_bias)`. `x2` is what
     was normalised (the residual sum `h` when there was one: then `dh2`, `h`'s own upstream
     gradient, is added into dx, which is the gradient of both summands). `dx` / `dg`: where to
     write them (views with unit column stride may be strided rows, e.g. the u columns of a
     wider gradient); new when None. dgate is None without `g2`; the residual bias's gradient
-    (the column sums of dx, in `rb`'s dtype) None without `rb`."""
+    (the column sums of dx, in `rb`'s dtype) None without `rb`.
+
+    `gate_pre`: the gate's pre-activation `p` with `g2 = silu(p)` (then `g2` itself is not
+    read and may be None): dgate is `p`'s gradient, and a sixth value is returned, its
+    column sums per program, fp32 `[programs, D]` (the rows of a bias gradient's partials,
+    `linear_silu.sum_partials`)."""
+    if gate_pre is not None:
+        g2 = gate_pre
     t, d = x2.shape
     if dx is None:
         dx = torch.empty_like(x2)
@@ -228,12 +247,14 @@ def backward(
     dw = torch.empty((programs, d), dtype=torch.float32, device=x2.device)
     db = torch.empty_like(dw)
     drb = torch.empty_like(dw) if rb is not None else dw  # not written without rb
+    dgp = torch.empty_like(dw) if gate_pre is not None else dw  # nor without gate_pre
     block_r, block_d, warps = _tiles(d)
     _layer_norm_bwd_kernel[(programs,)](
-        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db, drb,
+        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db, drb, dgp,
         x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0), t, d,
         HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, HAS_RB=rb is not None,
-        ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        GATE_SILU=gate_pre is not None, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r,
+        BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
     drbias = torch.empty_like(rb) if rb is not None else None
@@ -241,6 +262,8 @@ def backward(
         dw, db, drb, dweight, dbias, drbias if rb is not None else dbias, programs, d,
         HAS_RB=rb is not None, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS,
     )  # fmt: skip
+    if gate_pre is not None:
+        return dx, dg, dweight, dbias, drbias, dgp
     return dx, (dg if g2 is not None else None), dweight, dbias, drbias
 
 

@@ -117,6 +117,33 @@ _PARTIAL_COLS = 16
 _PARTIAL_ROWS = 64
 
 
+def sum_partials(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[c] = sum_p parts[p, c]`` for fp32 partials ``parts [P, N]`` (rows summed in a
+    fixed order, in fp32, cast to ``out``'s dtype on the store); ``out`` ``[N]`` contiguous,
+    e.g. a column range of a wider bias gradient. Zeros for P = 0."""
+    p, n = parts.shape
+    if out.shape != (n,) or out.stride() != (1,):
+        raise ValueError(f"out must be a contiguous [{n}], got {tuple(out.shape)}")
+    if n > 0:
+        _sum_partials_kernel[(triton.cdiv(n, _PARTIAL_COLS),)](
+            parts, out, p, n, BLOCK_P=_PARTIAL_ROWS, BLOCK_C=_PARTIAL_COLS
+        )
+    return out
+
+
+def weight_grads(x, w, dpre, weight_dtype, need_x: bool, need_w: bool):
+    """``(dx, dweight)`` of ``pre = x @ w + b`` from ``dpre`` (None where not needed);
+    ``dweight`` in ``weight_dtype``, on CUDA from the GEMM's fp32 accumulator."""
+    dx = dpre @ w.t() if need_x else None
+    dweight = None
+    if need_w:
+        if x.is_cuda and x.dtype != weight_dtype:  # cuBLAS's accumulator, not rounded
+            dweight = torch.mm(x.t(), dpre, out_dtype=weight_dtype)
+        else:
+            dweight = (x.t() @ dpre).to(weight_dtype)
+    return dx, dweight
+
+
 def _tiles(n: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_N, num_warps) of the SiLU backward for `out = n`."""
     return 32, min(64, triton.next_power_of_2(n)), 4
@@ -186,20 +213,10 @@ class _LinearSiLU(torch.autograd.Function):
                 ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_N=block_n,
                 WRITE_DPRE=write_dpre, WRITE_DB=need_b, num_warps=warps,
             )  # fmt: skip
-        dx = dweight = dbias = None
-        if need_b:
-            dbias = torch.empty(n, dtype=bias_dtype, device=pre.device)
-            if n > 0:  # no rows (P = 0): the kernel writes zeros
-                _sum_partials_kernel[(triton.cdiv(n, _PARTIAL_COLS),)](
-                    partials, dbias, programs, n, BLOCK_P=_PARTIAL_ROWS, BLOCK_C=_PARTIAL_COLS
-                )
-        if need_x:
-            dx = dpre @ w.t()
-        if need_w:
-            if x.is_cuda and x.dtype != weight_dtype:  # cuBLAS's accumulator, not rounded
-                dweight = torch.mm(x.t(), dpre, out_dtype=weight_dtype)
-            else:
-                dweight = (x.t() @ dpre).to(weight_dtype)
+        dbias = None
+        if need_b:  # no rows (P = 0): zeros
+            dbias = sum_partials(partials, torch.empty(n, dtype=bias_dtype, device=pre.device))
+        dx, dweight = weight_grads(x, w, dpre, weight_dtype, need_x, need_w)
         return dx, dweight, dbias, None, None
 
 

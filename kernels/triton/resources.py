@@ -34,12 +34,14 @@ _FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_d
        "fused": _hstu_bwd_fused_kernel}  # fmt: skip
 # pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
 _POINTERS = {
-    **dict.fromkeys(("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ"), "*bf16"),
+    **dict.fromkeys(
+        ("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ", "PreQ", "PreK", "PreV"), "*bf16"
+    ),
     **dict.fromkeys(
         ("SeqOffsets", "Ts", "TsRange", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"
     ),
     **dict.fromkeys(("NumCtx", "NumCand", "Sched"), "*i32"),
-    "DQacc": "*fp32",
+    **dict.fromkeys(("DQacc", "BPart", "BPartK", "BPartV"), "*fp32"),
 }  # absent tables are passed as the int64 offsets, as the launches do
 _FLOATS = ("alpha", "inv_norm")
 
@@ -71,12 +73,18 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int, int]:
 
 
 def resources(
-    kernel: str, dim: int, tiles: BlockSizes, arch: int = 90, tma: bool | None = None
+    kernel: str,
+    dim: int,
+    tiles: BlockSizes,
+    arch: int = 90,
+    tma: bool | None = None,
+    silu: bool = False,
 ) -> dict:
     """Compile ``kernel`` for head dim ``dim`` with ``tiles`` for sm_``arch``: registers per
     thread, spill store / load bytes per thread, shared memory bytes. ``tma``: the kernel loads
     through tensor descriptors (else pointer tiles); None: as the launch does on Hopper
-    (``HSTU_TRITON_TMA``, by default the forward and dq)."""
+    (``HSTU_TRITON_TMA``, by default the forward and dq). ``silu``: the backward kernels with
+    SiLU's backward in their epilogues (``_bwd_impl(silu=...)``)."""
     fn = _FN[kernel]
     if tma is None:
         tma = kernel in _TMA_KERNELS
@@ -85,7 +93,7 @@ def resources(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
         OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
-        TMA=tma,
+        TMA=tma, SILU=silu, SILU_TMA=silu,
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {
@@ -137,6 +145,9 @@ def main(argv=None) -> None:
         default="launch",
         help="tile loads of every kernel (launch: each kernel's as HSTU_TRITON_TMA sets them)",
     )
+    ap.add_argument(
+        "--silu", action="store_true", help="the backward kernels with SiLU's backward in them"
+    )
     args = ap.parse_args(argv)
     extra = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles]
     print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16, "
@@ -147,7 +158,7 @@ def main(argv=None) -> None:
         default = default_block_sizes(args.dim, kernel)
         for tiles in [default, *(t for t in extra if t != default)]:
             tma = None if args.loads == "launch" else args.loads == "tma"
-            r = resources(kernel, args.dim, tiles, args.arch, tma)
+            r = resources(kernel, args.dim, tiles, args.arch, tma, args.silu and kernel != "fwd")
             tag = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.num_warps,
                                             tiles.num_stages))  # fmt: skip
             tag += " (default)" if tiles == default else ""

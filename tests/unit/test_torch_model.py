@@ -256,29 +256,35 @@ def test_the_fused_kernels_give_torchs_loss_and_gradients():
     """`model.fused_norm` and `model.fused_silu`'s kernels (interpreted here, as on CUDA):
     each layer's residual add in the next norm (`add_layer_norm`, the last in the final norm),
     the gated norm inside the attention op (u's gradient written in place) and the uvqk
-    projection's SiLU backward with its bias gradient give eager torch's loss and gradients."""
+    projection's SiLU backward with its bias gradient give eager torch's loss and gradients;
+    so does `model.silu_epilogues`' op (SiLU's backward in the kernels' epilogues)."""
+    from hstu.torch_backend.attention import get_uvqk_attention
     from hstu.torch_backend.model import LayerNorm
 
     cfg = _cfg("ranking", "model.num_layers=2", "model.attention=kernel")
     results = []
-    for fused in (False, True):
+    for fused in (False, True, "epilogues"):
         model = HSTUModel(cfg.model)
         assert not any(layer.fused_silu for layer in model.layers)  # CPU: eager by default
+        assert not any(layer.linear_uvqk_attention for layer in model.layers)
         model.load_params(init_params(cfg.model, seed=0))
         for m in model.modules():
             if isinstance(m, LayerNorm):
-                m.fused = fused
+                m.fused = bool(fused)
         for layer in model.layers:
-            layer.fused_silu = fused
+            layer.fused_silu = bool(fused)
+            if fused == "epilogues":  # `model.silu_epilogues`: SiLU's backward in the kernels
+                layer.linear_uvqk_attention = get_uvqk_attention("kernel", "cpu", linear=True)
         loss, _ = model(to_torch(make_global_batch(cfg, 4, (4,))[0]), 10)
         loss.backward()
         results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (want_loss, want), (got_loss, got) = results
-    assert got_loss == pytest.approx(want_loss, rel=1e-6)
-    for name, g in want.items():
-        np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
-    assert any(float(g.abs().max()) > 0 for n, g in got.items() if "attn_norm" in n)
-    assert all(float(g.abs().max()) > 0 for n, g in got.items() if "uvqk.bias" in n)
+    (want_loss, want), *fused_results = results
+    for got_loss, got in fused_results:
+        assert got_loss == pytest.approx(want_loss, rel=1e-6)
+        for name, g in want.items():
+            np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+        assert any(float(g.abs().max()) > 0 for n, g in got.items() if "attn_norm" in n)
+        assert all(float(g.abs().max()) > 0 for n, g in got.items() if "uvqk.bias" in n)
 
 
 def test_the_tf32_head_op_has_addmms_gradients():

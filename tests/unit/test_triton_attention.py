@@ -511,6 +511,79 @@ def test_uvqk_attention_with_the_gated_norm_equals_the_op_then_the_norm(mode, dt
         hstu_uvqk_attention(uvqk0, offsets, **common, norm=(w0, b0))
 
 
+# the slow tier (~4 / 8 s interpreted on 2 cores): `model.silu_epilogues` is off by default
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_uvqk_attention_equals_linear_silu_then_the_op(mode, dtype):
+    """`hstu_linear_uvqk_attention`: the uvqk projection, its SiLU, the attention and the
+    gated norm in one op, whose backward runs SiLU's backward in the kernels that write the
+    gradients (the gated norm's, the dk / dv and dq kernels' epilogues) and sums the bias
+    gradient there, gives the values and gradients of `linear_silu` then
+    `hstu_uvqk_attention(norm=...)` (which write SiLU's input gradient, rounded, then run
+    SiLU's backward on it: equal up to that rounding), the tables' gradients too; with the
+    fused backward it is that composition."""
+    from hstu_kernels.triton import hstu_linear_uvqk_attention, hstu_uvqk_attention
+    from hstu_kernels.triton.linear_silu import linear_silu
+
+    seed = zlib.crc32(f"linear-uvqk/{mode}/{dtype}".encode())
+    (q, k, v), offsets, kw, tables, grad_out, total = _make_inputs(
+        mode, "ctx_cand_rab", dtype, seed
+    )
+    T, H, dqk = q.shape
+    dv = v.shape[2]
+    d_in, width = 20, H * (2 * dv + 2 * dqk)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(q.device)
+
+    x0 = rnd(T, d_in).to(dtype)
+    x0[total:] = 0.0  # capacity padding, as a normed stream's padding rows
+    w0, b0 = rnd(d_in, width, scale=0.3), rnd(width, scale=0.5)
+    nw0, nb0 = rnd(H * dv, scale=0.3, shift=1.0), rnd(H * dv, scale=0.1)
+    dy = rnd(T, H * dv).to(dtype)
+    dy[total:] = 0.0  # no upstream gradient on padding rows
+    blocks = SHAPES[mode]["blocks"]["default"]
+    dims = dict(num_heads=H, linear_dim=dv, attention_dim=dqk)
+
+    def run(fused, backward="split"):
+        x, w, b, nw, nb = (t.clone().requires_grad_() for t in (x0, w0, b0, nw0, nb0))
+        tabs = {n: t.clone().requires_grad_() for n, t in tables.items()}
+        common = dict(**dims, **kw, **tabs, block_sizes=blocks, backward=backward)
+        if fused:
+            y = hstu_linear_uvqk_attention(x, w, b, offsets, **common, norm=(nw, nb, 1e-6))
+        else:
+            y = hstu_uvqk_attention(linear_silu(x, w, b), offsets, **common, norm=(nw, nb, 1e-6))
+        return (y, *torch.autograd.grad(y, (x, w, b, nw, nb, *tabs.values()), dy))
+
+    got, want = run(True), run(False)
+    names = ["y", "dx", "dweight", "dbias", "dnorm_weight", "dnorm_bias", *tables]
+    assert len(got) == len(names) == len(want)
+    # fp32: each value within fp32 rounding; bf16: the composition rounds SiLU's input
+    # gradient to bf16 before its backward, the op does not
+    tol = max(TOL[dtype], 1e-4)
+    for name, g, e in zip(names, got, want, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape, name
+        if name == "y":
+            assert torch.equal(g, e), name  # the forward is the composition's
+        else:
+            _assert_close(g, e, tol, name)
+    assert got[3].dtype == torch.float32 and torch.all(got[3] != 0), "every bias column"
+    assert torch.all(got[1][total:] == 0), "padding rows get no input gradient"
+
+    # the fused backward (dq atomics) runs the composition
+    fused_bwd = run(True, "fused")
+    for name, g, e in zip(names, fused_bwd, run(False, "fused"), strict=True):
+        _assert_close(g, e, tol, f"{name}, fused backward")
+    with pytest.raises(ValueError, match=rf"weight must be \[in, {width}\]"):
+        hstu_linear_uvqk_attention(x0, w0[:, 1:], b0[1:], offsets, **dims, **kw,
+                                   norm=(nw0, nb0, 1e-6))  # fmt: skip
+    with pytest.raises(ValueError, match="reduced copies of shapes"):
+        hstu_linear_uvqk_attention(x0, w0, b0, offsets, **dims, **kw, norm=(nw0, nb0, 1e-6),
+                                   reduced=(w0[:1], b0))  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_uvqk_attention_validation(mode):
     from hstu_kernels.triton import hstu_uvqk_attention
