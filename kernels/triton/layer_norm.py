@@ -69,18 +69,44 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_load(
+    X, DY, G, DH, MEAN, RSTD, rows, end, cols, cmask, stride_x, stride_dy, stride_g, stride_dh,
+    HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr,
+):  # fmt: skip
+    """What the backward reads of `rows` (those at or past `end` masked off): x, dy, the gate
+    and dh (x again where there is none: not read), the row statistics."""
+    rmask = rows < end
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    g = x
+    if HAS_GATE:
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    dh = x
+    if HAS_DH:
+        dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    return x, dy, g, dh, mean, rstd
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART, DRB_PART, DG_PART,
     stride_x, stride_g, stride_dy, stride_dh, stride_dx, stride_dg, T, D,
     HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, HAS_RB: tl.constexpr,
     GATE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
     gradient sums as row `pid` of the partials. `HAS_DH`: `X` is a residual sum `h` whose
     own upstream gradient `DH` joins the norm's (dx = dh + the norm's dx). `HAS_RB`: the
     column sums of dx (fp32, before its rounding) as row `pid` of the residual bias's.
     `GATE_SILU`: `G` holds the gate's pre-activation `p` (gate = silu(p)), and `DG` gets
-    `p`'s gradient, its column sums (fp32) as row `pid` of `DG_PART`."""
+    `p`'s gradient, its column sums (fp32) as row `pid` of `DG_PART`. `PREFETCH`: each slice's
+    loads are issued before the previous slice's arithmetic (in registers; the last prefetch is
+    masked off). `STAGES` > 0: the slice loop is software-pipelined by Triton in that many
+    stages. Neither changes a value: the arithmetic and its order are the same."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -90,18 +116,31 @@ def _layer_norm_bwd_kernel(
     db = tl.zeros((BLOCK_D,), dtype=tl.float32)
     drb = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dgs = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)  # reduced once, after the rows
-    for start in range(0, ROWS, BLOCK_R):
-        rows = pid.to(tl.int64) * ROWS + start + tl.arange(0, BLOCK_R)
+    row0 = pid.to(tl.int64) * ROWS
+    end = tl.minimum(row0 + ROWS, T)
+    if PREFETCH:
+        nx, ndy, ng, ndh, nmean, nrstd = _bwd_load(
+            X, DY, G, DH, MEAN, RSTD, row0 + tl.arange(0, BLOCK_R), end, cols, cmask,
+            stride_x, stride_dy, stride_g, stride_dh, HAS_GATE, HAS_DH,
+        )  # fmt: skip
+    for start in tl.range(0, ROWS, BLOCK_R, num_stages=STAGES if STAGES > 0 else None):
+        rows = row0 + start + tl.arange(0, BLOCK_R)
         rmask = rows < T
         mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        if PREFETCH:
+            x, dy, g, dh, mean, rstd = nx, ndy, ng, ndh, nmean, nrstd
+            nx, ndy, ng, ndh, nmean, nrstd = _bwd_load(
+                X, DY, G, DH, MEAN, RSTD, rows + BLOCK_R, end, cols, cmask,
+                stride_x, stride_dy, stride_g, stride_dh, HAS_GATE, HAS_DH,
+            )  # fmt: skip
+        else:
+            x, dy, g, dh, mean, rstd = _bwd_load(
+                X, DY, G, DH, MEAN, RSTD, rows, end, cols, cmask,
+                stride_x, stride_dy, stride_g, stride_dh, HAS_GATE, HAS_DH,
+            )  # fmt: skip
         xhat = tl.where(mask, (x.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
         dn = dy.to(tl.float32)
         if HAS_GATE:
-            g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
             dg = dn * (xhat * w[None, :] + b[None, :])
             g = g.to(tl.float32)
             if GATE_SILU:  # g is the pre-activation p: the gate is silu(p)
@@ -122,7 +161,6 @@ def _layer_norm_bwd_kernel(
         c2 = tl.sum(wdn, axis=1) / D
         dx = (wdn - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DH:
-            dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
             dx += dh.to(tl.float32)
         if HAS_RB:
             drb += tl.sum(dx, axis=0)
@@ -172,6 +210,9 @@ ROWS_PER_PROGRAM = 32
 # The partials' sum: columns per program (1024 wide: 64 programs; with 64 columns, 16 programs
 # walked ~380 partial rows each at 11K tokens, 12 us per norm on an H200) and rows per tile.
 _SUM_COLS, _SUM_ROWS = 16, 64
+# The backward's loads: issued a slice ahead (`PREFETCH`) / Triton's pipelining of the slice loop
+# in `STAGES` stages (0: none). Values are the same either way (scripts/norm_tiles.py times them).
+BWD_PREFETCH, BWD_STAGES = False, 0
 
 
 def _tiles(d: int) -> tuple[int, int, int]:
@@ -254,7 +295,7 @@ def backward(
         x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0), t, d,
         HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, HAS_RB=rb is not None,
         GATE_SILU=gate_pre is not None, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r,
-        BLOCK_D=block_d, num_warps=warps,
+        BLOCK_D=block_d, PREFETCH=BWD_PREFETCH, STAGES=BWD_STAGES, num_warps=warps,
     )  # fmt: skip
     dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
     drbias = torch.empty_like(rb) if rb is not None else None

@@ -174,6 +174,35 @@ def test_zero_padding_rows_leave_the_residual_bias_gradient_bit_for_bit():
         assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("prefetch,stages", [(True, 0), (False, 2)], ids=["prefetch", "stages2"])
+def test_the_backward_load_orders_give_the_same_bits(monkeypatch, prefetch, stages):
+    # `BWD_PREFETCH` / `BWD_STAGES` move the backward's loads, not its arithmetic: every output
+    # of the gated (SiLU gate) and the residual form equals the plain loop's bit for bit, also
+    # where the last program's rows end inside a slice (t = 70: 32 + 32 + 6)
+    from hstu_kernels.triton import layer_norm as ln
+
+    device = "cuda" if _CUDA else "cpu"
+    g = torch.Generator().manual_seed(5)
+    t, d = 70, 64
+    x, p, dy, dh = (torch.randn(t, d, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    w, b, rb = (torch.randn(d, generator=g).to(device) for _ in range(3))
+    _, h, mean_h, rstd_h = ln.forward(x, w, b, EPS, r2=p, rb=rb)
+    _, _, mean, rstd = ln.forward(x, w, b, EPS, g2=torch.nn.functional.silu(p))
+
+    def both():
+        gated = ln.backward(x, w, b, mean, rstd, dy, gate_pre=p)
+        add = ln.backward(h, w, b, mean_h, rstd_h, dy, dh2=dh, rb=rb)
+        return [a for a in (*gated, *add) if a is not None]
+
+    want = both()
+    monkeypatch.setattr(ln, "BWD_PREFETCH", prefetch)
+    monkeypatch.setattr(ln, "BWD_STAGES", stages)
+    got = both()
+    assert len(got) == len(want) == 9
+    for a, e in zip(got, want, strict=True):
+        assert torch.equal(a, e)
+
+
 def test_a_residual_of_another_shape_or_dtype_is_an_error():
     x = torch.zeros(4, 8)
     w, b = torch.ones(8), torch.zeros(8)
