@@ -258,6 +258,12 @@ class TrainConfig:
         "each; torch with train.cuda_graphs: one graph each), fitted to the batches the data "
         "config draws (hstu/capacity.py): more pad less and build more programs; 2 to 32",
     )
+    metrics_lag: int = _opt(
+        1,
+        "steps dispatched past the one whose metrics the host reads (1 to 3): the device's "
+        "queue holds this many steps, so a host hiccup shorter than lag - 1 step times leaves "
+        "it busy; the step's metrics (and an early stop) arrive that many steps late",
+    )
     graph_scope: str = _opt(
         "auto",
         "with train.cuda_graphs: auto = the whole step (lookups, loss, backward, AdamW) in one "
@@ -272,6 +278,10 @@ class TrainConfig:
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
         _positive(self, p, "watchdog_s", "eval_every", allow_zero=True)
         _one_of(p + "graph_scope", self.graph_scope, ("auto", "stack"))
+        _check(
+            isinstance(self.metrics_lag, int) and 1 <= self.metrics_lag <= 3,
+            p + "metrics_lag", self.metrics_lag, "must be an int from 1 to 3",
+        )  # fmt: skip
         _check(
             isinstance(self.capacity_buckets, int) and 2 <= self.capacity_buckets <= 32,
             p + "capacity_buckets", self.capacity_buckets,

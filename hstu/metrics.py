@@ -140,7 +140,9 @@ class MetricsLogger:
                 for k, v in metrics.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)
             }
-            self.tb.scalars(step, {k: v for k, v in scalars.items() if k != "step"})
+            self.tb.scalars(
+                step, {k: v for k, v in scalars.items() if k not in ("step", "fetch_lag")}
+            )
         self.bar.set_postfix_str(f"loss {metrics.get('loss', float('nan')):.4f}", refresh=False)
         self.bar.update(1)
         if step % self.log_every == 0:
@@ -170,16 +172,17 @@ def format_step(m: dict[str, Any]) -> str:
 
 
 def _compiled(rows: list[dict], i: int) -> bool:
-    """Row i's time holds a build of a new program (a new JAX shape bucket): the count rises at
-    row i, or at row i + 1, since a row's time is the loop iteration in which its metrics
-    arrive, which dispatches (and so compiles) the next step."""
+    """Row i's time holds a build of a new program (a new JAX shape bucket, a torch graph
+    capture): the count rises at row i, or at one of the next `fetch_lag` rows (1 when the row
+    does not say), since a row's time is the loop iteration in which its metrics arrive, which
+    dispatches (and so compiles) the step `fetch_lag` ahead."""
 
     def rises(j: int) -> bool:
         return 0 < j < len(rows) and rows[j].get("num_compiles", 0) > rows[j - 1].get(
             "num_compiles", 0
         )
 
-    return rises(i) or rises(i + 1)
+    return any(rises(j) for j in range(i, i + 1 + int(rows[i].get("fetch_lag", 1))))
 
 
 def timed_rows(rows: list[dict], skip_warmup: int = 1) -> list[dict]:

@@ -12,8 +12,8 @@ thread, `HostPrefetcher`):
    the gathered stats before the forward, so no rank's gradient depends on where a sample
    landed);
 4. phase 2 of i+1: wait for the plan, exchange (allgather or all2all), padding last;
-5. optimizer step, dispatched; the metrics of step i-1 are fetched only now, so the host
-   never waits for the device between steps.
+5. optimizer step, dispatched; the metrics of step i-1 (i-L with `train.metrics_lag` L) are
+   fetched only now, so the host never waits for the device between steps.
 
 Collective order is the same on every rank: stats gather (i+1), the backend's
 forward/backward collectives (i), exchange (i+1). Every rank computes the same plan from the
@@ -34,6 +34,7 @@ collective call per rank and compares the sequences.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -374,6 +375,7 @@ def run(
     probe: Callable[[int, Prepared], dict | None] | None = None,
     should_stop: Callable[[int], bool] | None = None,
     prepared: bool = False,
+    lag: int = 1,
 ) -> list[dict]:
     """Train `num_steps` steps numbered from `start_step` (a resumed run goes on counting);
     `batches` yields this process's per-rank batches per step.
@@ -384,22 +386,27 @@ def run(
     `batches` yields what `BatchPrep(backend.local_ranks, cost, task, validate, check)`
     returns, already done elsewhere (the data worker processes); the thread only reads.
 
-    Metrics are fetched one step late: step i's are read after step i+1 is dispatched, so the
-    host never waits for the device between steps. Step i's `step_time_s` is the main thread's
-    time over the loop iteration in which its metrics arrive (dispatching step i+1, preparing
+    Metrics are fetched `lag` steps late: step i's are read after step i+lag is dispatched, so
+    the host never waits for the device between steps, and with lag > 1 a host hiccup longer
+    than one step's device time (a log flush, a slow batch) does not leave the device idle:
+    the device's queue then holds `lag` steps. Step i's `step_time_s` is the main thread's
+    time over the loop iteration in which its metrics arrive (dispatching step i+lag, preparing
     the batch after it, waiting for step i): in steady state one step period (step 0's holds
-    the start-up, the last one only its wait). `host_s` splits it into HOST_PHASES exactly.
-    `after_dispatch(step)` runs right after a step's update is dispatched and before the next
-    step touches the state (checkpoints go there; returning True marks the row whose time holds
-    it, step - 1's, as `perturbed`); `on_step(step, metrics)` when its metrics arrive.
-    `probe(step, prepared)` (benchmarks) may measure a finished step on the devices; what it
-    returns joins that step's metrics, and the following step, whose period holds the
-    measurement, is `perturbed`.
+    the start-up, the last ones only their waits). `host_s` splits it into HOST_PHASES exactly;
+    each row carries `fetch_lag`. `after_dispatch(step)` runs right after a step's update is
+    dispatched and before the next step touches the state (checkpoints go there; returning
+    True marks the row whose time holds it, step - lag's, as `perturbed`); `on_step(step,
+    metrics)` when its metrics arrive. `probe(step, prepared)` (benchmarks) may measure a
+    finished step on the devices; what it returns joins that step's metrics, and the `lag`
+    steps after it, whose periods hold the measurement and the refill of the device's queue,
+    are `perturbed`.
     `should_stop(step)`, asked after `after_dispatch`: True ends the run after that step (its
     metrics still arrive; the batch already prepared for the next step is dropped).
     Every rank must make the same `after_dispatch` and `probe` calls (they may be collective)
     and get the same `should_stop` answers.
     """
+    if not isinstance(lag, int) or lag < 1:
+        raise ValueError(f"pipeline.run: lag must be an int >= 1, got {lag!r}")
     balancer = Balancer(backend, shuffler, method, overlap)
 
     prep = BatchPrep(tuple(backend.local_ranks), cost, task, validate, check)
@@ -466,11 +473,12 @@ def run(
         metrics["device_wait_s"] = host_s["fetch_wait"] + blocked_dispatch_s
         metrics["exposed_balancer_s"] = max(0.0, balancer_s - metrics["device_wait_s"])
         metrics["perturbed"] = step in perturbed
+        metrics["fetch_lag"] = lag
         if probe is not None:
             found = probe(step, prepared)
             if found:
                 metrics.update(found)
-                perturbed.add(step + 1)
+                perturbed.update(range(step + 1, step + 1 + lag))
         history.append(metrics)
         if on_step:
             on_step(step, metrics)
@@ -480,7 +488,7 @@ def run(
         current = finish(start())
         clock.take()  # the prologue belongs to no step
         fetched = None  # (metrics, prepared) of the step whose metrics arrived this iteration
-        pending = None  # (step, handle, prepared) of the step dispatched last
+        pending: collections.deque = collections.deque()  # (step, handle, prepared), oldest first
         for i in range(num_steps):
             step = start_step + i
             following = start() if i + 1 < num_steps else None
@@ -492,23 +500,25 @@ def run(
             with annotate("hstu.optimizer_step"):
                 out = backend.optimizer_step(handle)
             clock.lap("dispatch")
-            if pending is not None:
-                fetched = (fetch(*pending), pending[2])
+            if len(pending) == lag:
+                oldest = pending.popleft()
+                fetched = (fetch(*oldest), oldest[2])
             with annotate("hstu.checkpoint"):
                 if after_dispatch and after_dispatch(step):
-                    perturbed.add(step - 1)  # this iteration's time is the previous step's row
+                    perturbed.add(step - lag)  # this iteration's time is step - lag's row
             clock.lap("checkpoint")
             if fetched is not None:
                 with annotate("hstu.log"):
                     emit(*fetched, clock.take())
                 fetched = None
-            pending = (step, out, current)
+            pending.append((step, out, current))
             current = following
             if should_stop is not None and should_stop(step):
                 break
-        if pending is not None:
-            metrics = fetch(*pending)
-            emit(metrics, pending[2], clock.take())
+        while pending:
+            oldest = pending.popleft()
+            metrics = fetch(*oldest)
+            emit(metrics, oldest[2], clock.take())
     finally:
         if isinstance(source, HostPrefetcher):
             source.close()

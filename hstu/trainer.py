@@ -238,6 +238,7 @@ def train(
             probe=probe if bench.probe_every else None,
             should_stop=lambda step: progress["stop"],
             prepared=bool(cfg.data.workers),
+            lag=tc.metrics_lag,
         )
         if evaluation is not None:
             evaluation.finish(progress["done"], watchdog.beat)

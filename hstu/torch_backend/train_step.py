@@ -42,7 +42,7 @@ from hstu.torch_backend.state import make_optimizer, rank_seed
 from hstu.torch_backend.step_graphs import StepGraphs
 from hstu.torch_backend.timing import time_forward_backward
 
-METRIC_SLOTS = 4  # page-locked buffers for the scalars of steps not yet fetched
+METRIC_SLOTS = 4  # page-locked buffers for the scalars of steps not yet fetched (lag <= 3)
 
 
 class TorchBackend(TorchShuffler):
@@ -255,7 +255,7 @@ class TorchBackend(TorchShuffler):
         """A page-locked host buffer for one step's scalars, from a ring of METRIC_SLOTS
         allocated once (a page-locked allocation per step cost host time: staging.py). A slot
         comes round again METRIC_SLOTS steps later; the pipeline has fetched its step's
-        metrics one step after dispatching it."""
+        metrics `train.metrics_lag` <= 3 steps after dispatching it, so by then."""
         i = self._metric_next
         self._metric_next = (i + 1) % METRIC_SLOTS
         buf = self._metric_slots[i]

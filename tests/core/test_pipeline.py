@@ -301,6 +301,78 @@ def test_rows_whose_time_holds_a_save_or_a_probe_are_marked(demo_cfg):
         assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
 
 
+class _FetchOrderBackend(NumpyBackend):
+    """Records, at each fetch, how many steps had been dispatched (forward passes so far)."""
+
+    def __init__(self, world_size):
+        super().__init__(world_size)
+        self.fetched_at = []
+
+    def optimizer_step(self, handle):
+        return {**super().optimizer_step(handle), "step_index": len(self.seen) - 1}
+
+    def fetch_metrics(self, pending):
+        self.fetched_at.append((pending["step_index"], len(self.seen)))
+        return super().fetch_metrics({"loss": pending["loss"]})
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_metrics_arrive_lag_steps_late_and_every_row_is_kept(demo_cfg, lag):
+    """Step i's metrics are read once step i + lag is dispatched (the device's queue holds lag
+    steps), the run's last steps drain in order, and what the rows say does not depend on the
+    lag (the same steps, losses and host phases)."""
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    backend = _FetchOrderBackend(2)
+    rows = pipeline.run(backend, batches_of(demo_cfg, 2), 6, cost, "ranking", lag=lag)
+    steps = 6
+    expect = [(i, min(i + lag, steps - 1) + 1) for i in range(steps)]
+    assert backend.fetched_at == expect
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["fetch_lag"] == lag for r in rows)
+    base = pipeline.run(NumpyBackend(2), batches_of(demo_cfg, 2), steps, cost, "ranking")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in base]
+    assert [r["global_tokens"] for r in rows] == [r["global_tokens"] for r in base]
+    for r in rows:
+        assert set(r["host_s"]) == set(pipeline.HOST_PHASES)
+        assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
+
+
+def test_with_a_lag_the_rows_holding_a_save_or_a_probe_move_with_it(demo_cfg):
+    """lag 2: a save after dispatching step 4 is in row 2's time; a probe of row 1 drains the
+    device's queue, so rows 2 and 3 (its time and the refill) are marked."""
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    rows = pipeline.run(
+        NumpyBackend(2),
+        batches_of(demo_cfg, 2),
+        7,
+        cost,
+        "ranking",
+        after_dispatch=lambda step: step == 5,
+        probe=lambda step, prepared: {"probed": True} if step == 1 else None,
+        lag=2,
+    )
+    assert [r["step"] for r in rows if r["perturbed"]] == [2, 3]
+    rows = pipeline.run(
+        NumpyBackend(2),
+        batches_of(demo_cfg, 2),
+        7,
+        cost,
+        "ranking",
+        after_dispatch=lambda step: step == 6,
+        lag=2,
+    )
+    assert [r["step"] for r in rows if r["perturbed"]] == [4]
+
+
+@pytest.mark.parametrize("lag", [0, -1, 1.5])
+def test_a_lag_below_one_is_refused_before_anything_runs(demo_cfg, lag):
+    backend = NumpyBackend(2)
+    cost = HSTUCost.from_model_config(demo_cfg.model)
+    with pytest.raises(ValueError, match="lag must be an int >= 1"):
+        pipeline.run(backend, batches_of(demo_cfg, 2), 2, cost, "ranking", lag=lag)
+    assert backend.calls == []
+
+
 class _TimedBackend(NumpyBackend):
     """The numpy backend with a device that is `behind` (dispatch blocks, as JAX's does when
     the device queue is full) or a host that is the bottleneck (dispatch burns the CPU), and an

@@ -346,6 +346,25 @@ def test_build_time_is_what_the_building_steps_take_above_the_median():
     assert build_seconds([], skip_warmup=2) == 0.0
 
 
+def test_with_a_fetch_lag_the_build_lands_that_many_rows_before_the_count_rises():
+    """Rows fetched 2 steps late (`train.metrics_lag=2`): the iteration that built step 5's
+    program is row 3's time, and row 5's count is the first to rise, so rows 3..5 are left out
+    of the median and row 3's excess is the build."""
+    from hstu.metrics import build_seconds, timed_rows
+
+    times = [3.0, 0.1, 0.1, 2.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    counts = [1, 1, 1, 1, 1, 2, 2, 2, 2, 2]
+    rows = [
+        {"step": i, "step_time_s": t, "num_compiles": c, "fetch_lag": 2}
+        for i, (t, c) in enumerate(zip(times, counts, strict=True))
+    ]
+    assert [r["step"] for r in timed_rows(rows, skip_warmup=1)] == [1, 2, 6, 7, 8, 9]
+    assert build_seconds(rows, skip_warmup=1) == pytest.approx((3.0 - 0.1) + (2.1 - 0.1))
+    # the same rows read with the default lag of 1 would time row 3's build
+    lag1 = [{k: v for k, v in r.items() if k != "fetch_lag"} for r in rows]
+    assert 3 in [r["step"] for r in timed_rows(lag1, skip_warmup=1)]
+
+
 def test_breakdown_of_a_step_graph_reports_its_one_device_phase():
     """A torch step replayed from one graph has no phases inside: the breakdown gives the
     step's device time instead of calling it unmeasured."""

@@ -91,6 +91,36 @@ def test_both_backends_write_the_same_metric_fields(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [_available("torch"), _available("jax", pytest.mark.slow)],  # jax: ~13 s
+)
+def test_metrics_fetched_two_steps_late_train_the_same_run(backend, tmp_path):
+    """`train.metrics_lag=2` changes when the host reads a step's metrics, not what it trains
+    or records: the same rows (each marked with its lag), the same checkpoints."""
+    rows = {}
+    for lag in (1, 2):
+        out = tmp_path / f"lag{lag}"
+        argv = ["train.steps=4", "train.checkpoint_every=2", f"train.metrics_lag={lag}"]
+        assert _cli(backend, out, *argv) == 0
+        rows[lag] = read_rows(out / "metrics.jsonl")
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert [r["step"] for r in rows[2]] == [0, 1, 2, 3]
+    assert {r["fetch_lag"] for r in rows[1]} == {1} and {r["fetch_lag"] for r in rows[2]} == {2}
+    for a, b in zip(rows[1], rows[2], strict=True):
+        assert (a["loss"], a["grad_norm"], a["global_tokens"]) == (
+            b["loss"],
+            b["grad_norm"],
+            b["global_tokens"],
+        )
+
+
+@pytest.mark.parametrize("lag", ["0", "4", "1.5"])
+def test_a_metrics_lag_outside_one_to_three_is_refused(lag):
+    with pytest.raises(HSTUError, match="train.metrics_lag"):
+        load_config("demo", [f"train.metrics_lag={lag}"])
+
+
 class _Tampered:
     """The demo samples with one sample altered (a user's data, as a SampleSource)."""
 
