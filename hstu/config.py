@@ -262,7 +262,7 @@ class TrainConfig:
         1,
         "steps dispatched past the one whose metrics the host reads (1 to 3): the device's "
         "queue holds this many steps, so a host hiccup shorter than lag - 1 step times leaves "
-        "it busy; the step's metrics (and an early stop) arrive that many steps late",
+        "it busy; each step's metrics arrive that many steps late",
     )
     graph_scope: str = _opt(
         "auto",

@@ -206,13 +206,15 @@ def _layer_norm_sum_partials_kernel(
 # over the same groups of rows, in the same order, whatever padding follows the real rows
 # (padding rows and the partials of padding-only programs are exact zeros), so a step padded to
 # a token capacity (`train.cuda_graphs`) gets bit for bit the gradients of the unpadded one.
-ROWS_PER_PROGRAM = 32
+# 64 (was 32) with the slice loop pipelined in 3 stages: the pair of backward calls of a layer at
+# 12288 x 1024 bf16 77.5 us against 93.6 on an H200 (scripts/norm_tiles.py; kernels/README.md).
+ROWS_PER_PROGRAM = 64
 # The partials' sum: columns per program (1024 wide: 64 programs; with 64 columns, 16 programs
 # walked ~380 partial rows each at 11K tokens, 12 us per norm on an H200) and rows per tile.
 _SUM_COLS, _SUM_ROWS = 16, 64
 # The backward's loads: issued a slice ahead (`PREFETCH`) / Triton's pipelining of the slice loop
 # in `STAGES` stages (0: none). Values are the same either way (scripts/norm_tiles.py times them).
-BWD_PREFETCH, BWD_STAGES = False, 0
+BWD_PREFETCH, BWD_STAGES = False, 3
 
 
 def _tiles(d: int) -> tuple[int, int, int]:
