@@ -282,25 +282,6 @@ def test_model_checks_run_on_the_host_before_any_collective(demo_cfg):
     assert checked == [0, 1] and backend.calls == []
 
 
-def test_rows_whose_time_holds_a_save_or_a_probe_are_marked(demo_cfg):
-    """A row's time is the iteration in which its metrics arrive: a save after dispatching
-    step s lands in row s - 1, a probe of row s in row s + 1."""
-    cost = HSTUCost.from_model_config(demo_cfg.model)
-    rows = pipeline.run(
-        NumpyBackend(2),
-        batches_of(demo_cfg, 2),
-        6,
-        cost,
-        "ranking",
-        after_dispatch=lambda step: step == 4,
-        probe=lambda step, prepared: {"probed": True} if step == 1 else None,
-    )
-    assert [r["step"] for r in rows if r["perturbed"]] == [2, 3]
-    assert rows[1]["probed"] and all(set(r["host_s"]) == set(pipeline.HOST_PHASES) for r in rows)
-    for r in rows:
-        assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
-
-
 class _FetchOrderBackend(NumpyBackend):
     """Records, at each fetch, how many steps had been dispatched (forward passes so far)."""
 
@@ -337,9 +318,13 @@ def test_metrics_arrive_lag_steps_late_and_every_row_is_kept(demo_cfg, lag):
         assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
 
 
-def test_with_a_lag_the_rows_holding_a_save_or_a_probe_move_with_it(demo_cfg):
-    """lag 2: a save after dispatching step 4 is in row 2's time; a probe of row 1 drains the
-    device's queue, so rows 2 and 3 (its time and the refill) are marked."""
+@pytest.mark.parametrize(
+    ("lag", "save_after", "marked"), [(1, 4, [2, 3]), (2, 5, [2, 3]), (2, 6, [2, 3, 4])]
+)
+def test_rows_whose_time_holds_a_save_or_a_probe_are_marked(demo_cfg, lag, save_after, marked):
+    """A row's time is the iteration in which its metrics arrive: a save after dispatching
+    step s lands in row s - lag; a probe of row 1 drains the device's queue, so the lag rows
+    after it (its time, then the refill) are marked."""
     cost = HSTUCost.from_model_config(demo_cfg.model)
     rows = pipeline.run(
         NumpyBackend(2),
@@ -347,21 +332,14 @@ def test_with_a_lag_the_rows_holding_a_save_or_a_probe_move_with_it(demo_cfg):
         7,
         cost,
         "ranking",
-        after_dispatch=lambda step: step == 5,
+        after_dispatch=lambda step: step == save_after,
         probe=lambda step, prepared: {"probed": True} if step == 1 else None,
-        lag=2,
+        lag=lag,
     )
-    assert [r["step"] for r in rows if r["perturbed"]] == [2, 3]
-    rows = pipeline.run(
-        NumpyBackend(2),
-        batches_of(demo_cfg, 2),
-        7,
-        cost,
-        "ranking",
-        after_dispatch=lambda step: step == 6,
-        lag=2,
-    )
-    assert [r["step"] for r in rows if r["perturbed"]] == [4]
+    assert [r["step"] for r in rows if r["perturbed"]] == marked
+    assert rows[1]["probed"] and all(set(r["host_s"]) == set(pipeline.HOST_PHASES) for r in rows)
+    for r in rows:
+        assert r["step_time_s"] == pytest.approx(sum(r["host_s"].values()))
 
 
 @pytest.mark.parametrize("lag", [0, -1, 1.5])
