@@ -206,14 +206,17 @@ def _linear_silu_split(x, kernel, bias, sizes: tuple[int, ...], interpret: bool)
 
 
 def _linear_silu_split_fwd(x, kernel, bias, sizes, interpret):
-    pre, (x, w) = _linear_fwd(x, kernel, bias)
+    w, b = kernel.astype(x.dtype), bias.astype(x.dtype)
+    z = jnp.matmul(x, w)  # `_linear_fwd`'s values: `z + b`
     ends = np.cumsum(sizes)[:-1].tolist()
-    return tuple(jnp.split(nn.silu(pre), ends, axis=-1)), (x, w, pre)
+    # The residual is the GEMM's output, not `z + b`: a biased copy as residual is a [T, N]
+    # array XLA would write in a kernel of its own; the backward kernel adds `b` itself.
+    return tuple(jnp.split(nn.silu(z + b), ends, axis=-1)), (x, w, z, b)
 
 
 def _linear_silu_split_bwd(sizes, interpret, res, grads):
-    x, w, pre = res
-    dpre, dbias = _silu_kernel().silu_backward(grads, pre, interpret=interpret)
+    x, w, z, b = res
+    dpre, dbias = _silu_kernel().silu_backward(grads, z, b, interpret=interpret)
     dx, dw, _ = _linear_bwd((x, w), dpre)
     return dx, dw, dbias
 
@@ -461,7 +464,8 @@ def build_model(
     """`silu_kernel`: "compiled" or "interpret" runs the uvqk SiLU's backward as one Pallas
     kernel (`HSTUModel.silu_kernel`, as torch runs its Triton one on CUDA); None (default)
     leaves it to autodiff, which XLA fuses well enough that the kernel does not pay: on an H200
-    at bench_upstream batch 32 the kernel made jax's step 3 % slower (docs/BENCHMARKS.md)."""
+    at bench_upstream batch 32 the kernel made jax's step 1 % slower (3 % before its residual
+    was the GEMM's output; docs/BENCHMARKS.md)."""
     if silu_kernel not in (None, "compiled", "interpret"):
         raise ValueError(f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}")
     attn = AttentionConfig(

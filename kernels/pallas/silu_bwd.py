@@ -21,12 +21,20 @@ same order whatever capacity padding follows (padding rows have a zero ``dy``: a
 ``dpre``, and padding-only programs zero partials), as in the torch kernel; the partials'
 final sum is XLA's reduction, whose order may follow the number of programs (torch sums them
 in a fixed order with a kernel of its own). Tiles as torch's (128 rows in slices of
-32 x 64 columns, 4 warps: the fastest of 48 tilings there); not swept in Pallas.
+32 x 64 columns, 4 warps: the fastest of 48 tilings there); ``scripts/silu_tiles.py`` sweeps
+them here.
+
+Given the bias, the kernel takes the GEMM's output ``z`` and forms ``pre = z + bias`` itself
+(``model._linear_silu_split`` keeps ``z`` as its residual: a residual ``z + b`` is an array XLA
+writes in a pass of its own). On an H200 at bench_upstream's batch 32 the step is still ~1 %
+slower with the kernel than with XLA's fusion of autodiff's backward, so jax runs it only when
+asked (docs/BENCHMARKS.md, "the SiLU-backward kernel without its biased residual").
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,13 @@ from ._common import _compiler_params, _load, _store
 ROWS_PER_PROGRAM = 128
 BLOCK_R = 32
 BLOCK_N = 64
+WARPS = 4
+# "rows,slice,columns,warps" in place of the four above (an A/B of tiles swept by
+# scripts/silu_tiles.py, in a process of its own)
+if os.environ.get("HSTU_PALLAS_SILU_TILES"):
+    ROWS_PER_PROGRAM, BLOCK_R, BLOCK_N, WARPS = (
+        int(v) for v in os.environ["HSTU_PALLAS_SILU_TILES"].split(",")
+    )
 
 
 def supports(widths, rows: int) -> str | None:
@@ -50,8 +65,11 @@ def supports(widths, rows: int) -> str | None:
     return None
 
 
-def _kernel(*refs, widths, rows):
-    *grads, pre_ref, dpre_ref, part_ref = refs
+def _kernel(*refs, widths, rows, has_bias):
+    if has_bias:
+        *grads, pre_ref, bias_ref, dpre_ref, part_ref = refs
+    else:
+        (*grads, pre_ref, dpre_ref, part_ref), bias_ref = refs, None
     pid_r, col = pl.program_id(0), pl.program_id(1) * BLOCK_N
     row0 = pid_r * ROWS_PER_PROGRAM
     start = 0
@@ -66,6 +84,9 @@ def _kernel(*refs, widths, rows):
                 cols = pl.ds(col, BLOCK_N)
                 dy = _load(g_ref.at[pl.ds(r, BLOCK_R), pl.ds(local, BLOCK_N)], mask=ok, other=0)
                 pre = _load(pre_ref.at[pl.ds(r, BLOCK_R), cols], mask=ok, other=0)
+                if bias_ref is not None:  # pre = z + b, rounded as the forward's add rounds it
+                    b = bias_ref[cols].astype(jnp.float32)[None, :]
+                    pre = (pre.astype(jnp.float32) + b).astype(pre_ref.dtype)
                 pre = pre.astype(jnp.float32)
                 sig = 1.0 / (1.0 + jnp.exp(-pre))
                 dpre = dy.astype(jnp.float32) * sig * (1.0 + pre * (1.0 - sig))
@@ -77,9 +98,13 @@ def _kernel(*refs, widths, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def silu_backward(grads, pre: jax.Array, interpret: bool = False):
+def silu_backward(grads, pre: jax.Array, bias: jax.Array | None = None, interpret: bool = False):
     """``(dpre [T, N] in pre's dtype, dbias [N] fp32)`` of ``silu(pre)`` given the gradient of
-    its output as column blocks ``grads`` (``[T, n_i]`` each, ``sum(n_i) = N``, in order)."""
+    its output as column blocks ``grads`` (``[T, n_i]`` each, ``sum(n_i) = N``, in order).
+    With ``bias`` (``[N]``), ``pre`` is the GEMM's output ``z`` and the pre-activation
+    ``z + bias`` (rounded to ``z``'s dtype, as the forward's add) is formed in the kernel: the
+    forward then keeps ``z``, which the GEMM wrote anyway, as its residual, and XLA writes no
+    biased copy of it (a ``[T, N]`` add kernel, 47 us a layer at bench_upstream's batch 32)."""
     grads = tuple(grads)
     rows, n = pre.shape
     widths = tuple(g.shape[1] for g in grads)
@@ -88,12 +113,14 @@ def silu_backward(grads, pre: jax.Array, interpret: bool = False):
         why = f"column blocks {widths} for {n} columns"
     if why is None and any(g.shape[0] != rows for g in grads):
         why = f"row counts {tuple(g.shape[0] for g in grads)} for {rows} rows"
+    if why is None and bias is not None and bias.shape != (n,):
+        why = f"bias of shape {bias.shape} for {n} columns"
     if why is not None:
         raise ValueError(f"silu_backward: {why}")
     programs = pl.cdiv(rows, ROWS_PER_PROGRAM)
-    kwargs = {} if interpret else {"compiler_params": _compiler_params(4, 1)}
+    kwargs = {} if interpret else {"compiler_params": _compiler_params(WARPS, 1)}
     dpre, partials = pl.pallas_call(
-        functools.partial(_kernel, widths=widths, rows=rows),
+        functools.partial(_kernel, widths=widths, rows=rows, has_bias=bias is not None),
         out_shape=(
             jax.ShapeDtypeStruct((rows, n), pre.dtype),
             jax.ShapeDtypeStruct((programs, n), jnp.float32),
@@ -102,13 +129,15 @@ def silu_backward(grads, pre: jax.Array, interpret: bool = False):
         interpret=interpret,
         name="silu_bwd_bias",
         **kwargs,
-    )(*grads, pre)
+    )(*grads, pre, *([] if bias is None else [bias]))
     return dpre, jnp.sum(partials, axis=0)
 
 
-def silu_backward_reference(grads, pre: jax.Array):
+def silu_backward_reference(grads, pre: jax.Array, bias: jax.Array | None = None):
     """The same in jnp (fp32 arithmetic, the bias gradient from the unrounded dpre)."""
     dy = jnp.concatenate([g.astype(jnp.float32) for g in grads], axis=1)
+    if bias is not None:
+        pre = (pre.astype(jnp.float32) + bias.astype(jnp.float32)).astype(pre.dtype)
     p = pre.astype(jnp.float32)
     sig = jax.nn.sigmoid(p)
     dpre = dy * sig * (1.0 + p * (1.0 - sig))

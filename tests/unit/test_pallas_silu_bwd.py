@@ -46,6 +46,34 @@ def test_matches_the_reference(rows, widths, dtype):
     np.testing.assert_allclose(np.asarray(dbias), np.asarray(want_bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_bias_is_added_in_the_kernel_as_the_forward_adds_it(dtype):
+    """With `bias`, `pre` is the GEMM's output z and the kernel forms z + b rounded to z's
+    dtype: the same dpre as the kernel given that rounded sum, bit for bit."""
+    grads, z = _inputs(300, (64, 128), dtype, seed=3)
+    bias = jnp.asarray(np.random.default_rng(4).standard_normal(192) * 2, jnp.float32)
+    pre = (z.astype(jnp.float32) + bias.astype(dtype).astype(jnp.float32)).astype(dtype)
+    dpre, dbias = silu_backward(grads, z, bias.astype(dtype), interpret=True)
+    want, want_bias = silu_backward(grads, pre, interpret=True)
+    np.testing.assert_array_equal(np.asarray(dpre, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(dbias), np.asarray(want_bias))
+    ref, _ = silu_backward_reference(grads, z, bias.astype(dtype))  # its own sigmoid: rounding
+    np.testing.assert_allclose(
+        np.asarray(ref, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-6
+    )
+    assert (
+        float(
+            np.abs(
+                np.asarray(dpre, np.float32)
+                - np.asarray(silu_backward(grads, z, interpret=True)[0], np.float32)
+            ).max()
+        )
+        > 0
+    )  # the bias counts
+    with pytest.raises(ValueError, match=r"bias of shape \(5,\) for 192 columns"):
+        silu_backward(grads, z, bias[:5], interpret=True)
+
+
 def test_padding_rows_add_nothing_and_sum_in_the_same_groups():
     """Rows of zero gradient after the real ones (a capacity's padding) leave dpre's real rows
     and the bias gradient bit for bit as without them: the rows per program are fixed."""
@@ -83,8 +111,9 @@ def test_compiled_matches_the_reference():
         pytest.skip("needs a GPU")
     grads, pre = _inputs(11264, (1024,) * 4, seed=7)
     grads = [g.at[-500:].set(0) for g in grads]
-    dpre, dbias = jax.jit(silu_backward)(grads, pre)
-    want, want_bias = silu_backward_reference(grads, pre)
+    bias = jnp.asarray(np.random.default_rng(8).standard_normal(4096), jnp.bfloat16)
+    dpre, dbias = jax.jit(silu_backward)(grads, pre, bias)
+    want, want_bias = silu_backward_reference(grads, pre, bias)
     np.testing.assert_allclose(
         np.asarray(dpre, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2
     )
