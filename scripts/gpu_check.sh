@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
-#                                               attnprof order mtiles
+#                                               attnprof order mtiles silu
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -196,6 +196,23 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ab_paired_sets flags ${#flag_sets[@]} "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
+    silu)
+      # jax's Pallas SiLU-backward kernel (off in the shipped step): its tiles swept at
+      # bench_upstream's layer (scripts/silu_tiles.py), then the step with the best tiling
+      # (HSTU_JAX_SILU_KERNEL=compiled) against XLA's fusion, alternating, batch 32,
+      # $AB_ROUNDS rounds of $OVR_STEPS steps, then over the same steps
+      run silu_tiles python scripts/silu_tiles.py --rounds 3 ${SILU_ARGS:-}
+      best=$(sed -n 's/^BEST_TILES=//p' "$OUT/silu_tiles.log")
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for i in 0 1; do
+          kernel=""; [ $i = 1 ] && kernel=compiled
+          run "silu${i}_b32_$round" env HSTU_JAX_SILU_KERNEL=$kernel \
+            HSTU_PALLAS_SILU_TILES=$best python -m hstu.cli bench e2e --config bench_upstream \
+            --backends jax --shufflers identity --steps ${OVR_STEPS:-40} --probe-every 0 \
+            --out /tmp/silu${i}_b32_$round data.batch_size=32
+        done
+      done
+      ab_paired_sets silu 2 32 ${AB_ROUNDS:-2} ;;
     workers)
       # data.workers (batches built in worker processes) against the in-process loader: the
       # overrides A/B over batch sizes $WORKERS_BATCHES, two rounds

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
 
 import flax.linen as nn
@@ -465,7 +466,11 @@ def build_model(
     kernel (`HSTUModel.silu_kernel`, as torch runs its Triton one on CUDA); None (default)
     leaves it to autodiff, which XLA fuses well enough that the kernel does not pay: on an H200
     at bench_upstream batch 32 the kernel made jax's step 1 % slower (3 % before its residual
-    was the GEMM's output; docs/BENCHMARKS.md)."""
+    was the GEMM's output; docs/BENCHMARKS.md). `HSTU_JAX_SILU_KERNEL=compiled` in the
+    environment takes it where None was asked for (an A/B of the step in processes of their
+    own: `bash scripts/gpu_check.sh silu`)."""
+    if silu_kernel is None and os.environ.get("HSTU_JAX_SILU_KERNEL"):
+        silu_kernel = os.environ["HSTU_JAX_SILU_KERNEL"]
     if silu_kernel not in (None, "compiled", "interpret"):
         raise ValueError(f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}")
     attn = AttentionConfig(

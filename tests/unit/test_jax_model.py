@@ -220,7 +220,7 @@ def test_uvqk_silu_kernel_matches_autodiff(dtype, sharding):
     assert float(np.abs(grads["layers.0.uvqk.bias"]).max()) > 0  # the check reads real values
 
 
-def test_silu_kernel_choice():
+def test_silu_kernel_choice(monkeypatch):
     """The kernel runs only when asked for (by default autodiff's backward, on a GPU too: the
     kernel timed slower there); the layer falls back to autodiff where its column blocks do
     not fit the kernel's tiles; anything else is refused."""
@@ -230,6 +230,13 @@ def test_silu_kernel_choice():
     assert build_model(cfg.model, 8, silu_kernel="compiled").silu_kernel == "compiled"
     with pytest.raises(ValueError, match="silu_kernel: expected compiled, interpret or None"):
         build_model(cfg.model, 8, silu_kernel="triton")
+    # the environment's choice (an A/B in processes of their own) where None was asked for
+    monkeypatch.setenv("HSTU_JAX_SILU_KERNEL", "compiled")
+    assert build_model(cfg.model, 8).silu_kernel == "compiled"
+    assert build_model(cfg.model, 8, silu_kernel="interpret").silu_kernel == "interpret"
+    monkeypatch.setenv("HSTU_JAX_SILU_KERNEL", "on")
+    with pytest.raises(ValueError, match="got 'on'"):
+        build_model(cfg.model, 8)
     from hstu_kernels.pallas.silu_bwd import supports
 
     m = cfg.model  # SMALL: 2 heads x 8 columns, below the kernel's 64-column blocks
