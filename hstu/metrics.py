@@ -41,6 +41,7 @@ STEP_FIELDS = (
     "device_wait_s",
     "exposed_balancer_s",
     "perturbed",
+    "fetch_lag",
     "max_memory_gib",
 )
 
