@@ -78,14 +78,15 @@ def _kernel(*refs, widths, rows, has_bias):
         @pl.when((col >= start) & (col < start + width))
         def _(g_ref=g_ref, local=col - start):
             acc = jnp.zeros((BLOCK_R, BLOCK_N), jnp.float32)
+            cols = pl.ds(col, BLOCK_N)
+            # the block's bias, read once for all of the program's row slices
+            b = None if bias_ref is None else bias_ref[cols].astype(jnp.float32)[None, :]
             for s in range(0, ROWS_PER_PROGRAM, BLOCK_R):
                 r = row0 + s
                 ok = (r + jnp.arange(BLOCK_R, dtype=jnp.int32) < rows)[:, None]
-                cols = pl.ds(col, BLOCK_N)
                 dy = _load(g_ref.at[pl.ds(r, BLOCK_R), pl.ds(local, BLOCK_N)], mask=ok, other=0)
                 pre = _load(pre_ref.at[pl.ds(r, BLOCK_R), cols], mask=ok, other=0)
-                if bias_ref is not None:  # pre = z + b, rounded as the forward's add rounds it
-                    b = bias_ref[cols].astype(jnp.float32)[None, :]
+                if b is not None:  # pre = z + b, rounded as the forward's add rounds it
                     pre = (pre.astype(jnp.float32) + b).astype(pre_ref.dtype)
                 pre = pre.astype(jnp.float32)
                 sig = 1.0 / (1.0 + jnp.exp(-pre))
