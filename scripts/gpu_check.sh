@@ -203,6 +203,7 @@ print('torchrec', torchrec.__version__)" ;;
       # $AB_ROUNDS rounds of $OVR_STEPS steps, then over the same steps
       run silu_tiles python scripts/silu_tiles.py --rounds 3 ${SILU_ARGS:-}
       best=$(sed -n 's/^BEST_TILES=//p' "$OUT/silu_tiles.log")
+      [ -n "$best" ] || echo "gpu_check: silu_tiles printed no BEST_TILES; the default tiles" >&2
       for round in $(seq ${AB_ROUNDS:-2}); do
         for i in 0 1; do
           kernel=""; [ $i = 1 ] && kernel=compiled

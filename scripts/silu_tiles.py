@@ -83,6 +83,7 @@ def main() -> None:
         f"best: {best}: {min(results[best]):.1f} us against {results[default]} (default, "
         "first and last)"
     )
+    print("BEST_TILES=" + ",".join(map(str, best)))  # read by scripts/gpu_check.sh silu
 
 
 if __name__ == "__main__":

@@ -119,3 +119,34 @@ def test_compiled_matches_the_reference():
     )
     np.testing.assert_allclose(np.asarray(dbias), np.asarray(want_bias), rtol=1e-4, atol=1e-2)
     assert not np.any(np.asarray(dpre[-500:], np.float32))
+
+
+def test_the_tile_sweep_checks_each_tiling_and_names_the_best():
+    """``scripts/silu_tiles.py`` (what ``gpu_check.sh silu`` reads its tiles from), in the
+    interpreter at a small size: every tiling checked, the fastest printed as BEST_TILES."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--interpret", "--tokens", "64", "--rows", "64", "--block-r", "16", "32"]
+    args += ["--block-n", "256", "--warps", "4", "--calls", "1", "--rounds", "1"]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "silu_tiles.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "failed" not in out.stdout, out.stdout
+    best = [line for line in out.stdout.splitlines() if line.startswith("BEST_TILES=")]
+    assert len(best) == 1, out.stdout
+    tiles = tuple(int(v) for v in best[0].split("=")[1].split(","))
+    default = _module_tiles()
+    assert tiles in {(64, 16, 256, 4), (64, 32, 256, 4), default}
+
+
+def _module_tiles():
+    from hstu_kernels.pallas import silu_bwd
+
+    return silu_bwd.ROWS_PER_PROGRAM, silu_bwd.BLOCK_R, silu_bwd.BLOCK_N, silu_bwd.WARPS
