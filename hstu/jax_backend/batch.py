@@ -16,7 +16,11 @@ byte. The token capacity T (HSTU tokens per rank, the model's sequence buffer) i
 (`bucket_capacity`: 128 * 2^k) and the HSTU keys' value capacities derive from it (`item`:
 T/2, ...), so jit sees one shape per octave of load, or per capacity of a
 `hstu.capacity.CapacityPolicy` when the caller passes one (training does); the spec is the
-static part of the pytree, hence the jit cache key.
+static part of the pytree, hence the jit cache key. Ranking's candidate keys (a candidate, its
+time and its label per candidate token) are bounded tighter where the spec knows the most
+candidates a sample has (`BatchSpec.candidates_per_sample`, `data.max_candidates`):
+`min(T, B * K)`, the loss rows torch's step graphs hold (`loss_rows_capacity`), so the head,
+the final norm of its rows and the loss run on ~B K rows instead of T.
 
 On the way to the device every leaf of a rank rides in one int32 row (`PackedBatch`: the
 leaves at static offsets of the spec, `packed_layout`), so a batch is one host-to-device copy
@@ -54,6 +58,8 @@ TOKEN_BOUNDED = {
     "candidate_time": 1,
     "label": 1,
 }
+# Keys with one value per candidate token: at most B * `candidates_per_sample` per rank.
+CANDIDATE_KEYS = ("candidate", "candidate_time", "label")
 _INT32 = np.iinfo(np.int32)
 
 
@@ -84,6 +90,9 @@ class BatchSpec:
     batch_size: int
     capacities: tuple[int, ...]  # values capacity per jagged key
     token_capacity: int  # HSTU tokens (C + 2 L + K) per rank, the model's T
+    # the most candidates of one sample (ranking's `data.max_candidates`); 0: unknown, the
+    # candidate keys' capacities are then T's
+    candidates_per_sample: int = 0
 
     def capacity(self, key: str) -> int:
         return self.capacities[self.keys.index(key)]
@@ -104,18 +113,32 @@ def token_counts(lengths: dict[str, np.ndarray]) -> np.ndarray:
     return total
 
 
+def _derived(spec: BatchSpec, key: str, t_cap: int) -> int:
+    """The capacity of a key bounded by the token capacity `t_cap` (0: not bounded by it):
+    `t_cap` over the key's values per token, and for the candidate keys at most B times the
+    spec's candidates per sample."""
+    if key not in TOKEN_BOUNDED:
+        return 0
+    cap = t_cap // TOKEN_BOUNDED[key]
+    if key in CANDIDATE_KEYS and spec.candidates_per_sample > 0:
+        cap = min(cap, spec.batch_size * spec.candidates_per_sample)
+    return cap
+
+
 def spec_for_lengths(
     spec: BatchSpec,
     rank_lengths: dict[str, np.ndarray],
     capacity: Callable[[int], int] = bucket_capacity,
 ) -> BatchSpec:
     """`spec` resized to hold every rank: `rank_lengths[key]` is `[W, B]`; `capacity` maps the
-    largest rank's token count to the token capacity T (`hstu.capacity.CapacityPolicy`)."""
+    largest rank's token count to the token capacity T (`hstu.capacity.CapacityPolicy`). A key
+    whose values exceed its bound (samples past `spec.candidates_per_sample`) gets
+    `bucket_capacity` of what it holds instead: a shape of its own, never a lost value."""
     t_cap = capacity(int(token_counts(rank_lengths).sum(axis=1).max(initial=0)))
     caps = []
     for key in spec.keys:
         need = int(np.asarray(rank_lengths[key]).sum(axis=1).max(initial=0))
-        derived = t_cap // TOKEN_BOUNDED[key] if key in TOKEN_BOUNDED else 0
+        derived = _derived(spec, key, t_cap)
         if key == "negative" and "item" in rank_lengths:
             # R negatives per next-item target, at most T / 2 targets: R * T / 2 holds them,
             # so retrieval batches too get shapes that depend on T alone.
@@ -133,7 +156,7 @@ def spec_at_capacity(spec: BatchSpec, t_cap: int) -> BatchSpec | None:
     caps = []
     for key, cap in zip(spec.keys, spec.capacities, strict=True):
         if key in TOKEN_BOUNDED:
-            caps.append(t_cap // TOKEN_BOUNDED[key])
+            caps.append(_derived(spec, key, t_cap))
         elif key == "negative" and half and cap % half == 0 and cap:
             caps.append(cap // half * (t_cap // 2))
         else:
@@ -154,8 +177,10 @@ def spec_for(
     template: JaggedBatch,
     rank_lengths: dict[str, np.ndarray],
     capacity: Callable[[int], int] = bucket_capacity,
+    candidates_per_sample: int = 0,
 ) -> BatchSpec:
-    """Spec of `template`'s keys and dtypes whose capacities hold `rank_lengths` (`[W, B]`)."""
+    """Spec of `template`'s keys and dtypes whose capacities hold `rank_lengths` (`[W, B]`);
+    `candidates_per_sample`: the most candidates a sample has (`candidate_bound`), 0 unknown."""
     keys = tuple(template.keys)
     dense = {k: np.asarray(v) for k, v in template.dense.items()}
     spec = BatchSpec(
@@ -167,8 +192,16 @@ def spec_for(
         batch_size=template.batch_size,
         capacities=(0,) * len(keys),
         token_capacity=0,
+        candidates_per_sample=int(candidates_per_sample),
     )
     return spec_for_lengths(spec, rank_lengths, capacity)
+
+
+def candidate_bound(cfg) -> int:
+    """`candidates_per_sample` of a run's batches: ranking's `data.max_candidates` (the
+    synthetic and prepared sources hold to it; a batch of another source past it gets a
+    capacity of its own), 0 for retrieval (its keys are bounded by T)."""
+    return int(cfg.data.max_candidates) if cfg.model.task == "ranking" else 0
 
 
 def spec_from_batches(batches: Sequence[JaggedBatch]) -> BatchSpec:

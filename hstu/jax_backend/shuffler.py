@@ -155,14 +155,17 @@ class JaxShuffler:
         exchange: str = "allgather",
         capacity: Callable[[int], int] = jb.bucket_capacity,
         host_exchange: bool | None = None,
+        candidates_per_sample: int = 0,
     ):
-        """`capacity`: token count -> token capacity (`hstu.capacity.CapacityPolicy`).
+        """`capacity`: token count -> token capacity (`hstu.capacity.CapacityPolicy`);
+        `candidates_per_sample`: the bound on the candidate keys (`jb.candidate_bound`).
         `host_exchange` (default: one process drives the whole mesh): gather the stats and
         apply the plan on the host, where every rank's batch already is, and copy each rank
         its balanced batch; with several processes the device collectives do both."""
         if exchange not in ("allgather", "all2all"):
             raise ValueError(f"exchange must be 'allgather' or 'all2all', got {exchange!r}")
         self.mesh, self.exchange_kind, self.capacity = mesh, exchange, capacity
+        self.candidates_per_sample = candidates_per_sample
         self.world_size = mesh.size
         self.local_ranks = col.local_ranks(mesh)
         self.sharding = col.rank_sharding(mesh)
@@ -204,7 +207,7 @@ class JaxShuffler:
     def _materialize(self, placed: Placed, lengths: dict[str, np.ndarray]) -> None:
         w = self.world_size
         rank_lengths = {k: v.reshape(w, -1) for k, v in lengths.items()}
-        spec = jb.spec_for(placed.host[0], rank_lengths, self.capacity)
+        spec = jb.spec_for(placed.host[0], rank_lengths, self.capacity, self.candidates_per_sample)
         count = placed.loss_tokens  # rides the batch's copy (the step's divisor, float32)
         scalars = {} if count is None else {"loss_tokens": np.float32(count)}
         try:

@@ -207,7 +207,12 @@ class LocalTimer:
         token capacity `policy` (`hstu.capacity.CapacityPolicy`, default: the config's) gives
         the largest rank, the shape the real step compiles for."""
         rank_lengths = {k: np.stack([b.lengths[k] for b in local]) for k in local[0].keys}
-        spec = jb.spec_for(local[0], rank_lengths, (policy or self.policy).capacity)
+        spec = jb.spec_for(
+            local[0],
+            rank_lengths,
+            (policy or self.policy).capacity,
+            jb.candidate_bound(self.cfg),
+        )
         total = float(sum(loss_tokens(b, self.cfg.model.task).sum() for b in local))
         out = []
         for b in local:

@@ -35,6 +35,7 @@ from hstu.jax_backend import embedding as emb
 from hstu.jax_backend.batch import (
     DeviceBatch,
     PackedBatch,
+    candidate_bound,
     local_view,
     packed_width,
     spec_at_capacity,
@@ -154,7 +155,8 @@ def read_capacity(batch: DeviceBatch) -> int:
     rank `L + K` items and candidates, at most the token capacity `T` (a rank's tokens
     `C + 2 L + K` fit in `T`), plus the negatives' capacity; at most every slot of
     `item_ids`. At T = 12,288 a rank's slots are 1.5 T (items T / 2, candidates T): a third
-    fewer rows."""
+    fewer rows; with ranking's candidate bound (`BatchSpec.candidates_per_sample`) T / 2 + B K,
+    bench_upstream's 8,192 at batch 32."""
     spec = batch.spec
     neg = spec.capacity("negative") if "negative" in spec.keys else 0
     slots = spec.capacity("item") + spec.capacity("candidate")
@@ -670,7 +672,12 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     source = source if source is not None else source_from_config(cfg)
     policy = capacity.for_source(cfg, source)
     backend = JaxBackend(
-        JaxShuffler(mesh, cfg.balance.exchange, policy.capacity),
+        JaxShuffler(
+            mesh,
+            cfg.balance.exchange,
+            policy.capacity,
+            candidates_per_sample=candidate_bound(cfg),
+        ),
         step_fn,
         state,
         model,

@@ -162,6 +162,48 @@ def test_a_capacity_names_its_batch_shapes(task):
         assert jb.spec_at_capacity(odd, 512) is None
 
 
+def test_candidate_keys_bounded_by_samples_times_max_candidates(mesh):
+    """Ranking's candidate keys hold at most B * K values per rank (K = `data.max_candidates`),
+    as torch's step graphs bound the loss rows: their capacity is `min(T, B K)` at every T,
+    known from T alone; a batch past the bound gets a capacity of its own and loses nothing."""
+    from hstu.capacity import CapacityPolicy
+
+    cfg = load_config("configs/demo.yaml")
+    k = jb.candidate_bound(cfg)
+    assert k == cfg.data.max_candidates == 4
+    assert jb.candidate_bound(load_config("configs/demo.yaml", ["model.task=retrieval"])) == 0
+    policy = CapacityPolicy((256, 512, 768, 1024, 1536))
+    specs = []
+    for index in range(4):
+        hosts = _batches(world=2, index=index)
+        lengths = {key: np.stack([b.lengths[key] for b in hosts]) for key in hosts[0].keys}
+        spec = jb.spec_for(hosts[0], lengths, policy.capacity, candidates_per_sample=k)
+        unbounded = jb.spec_for(hosts[0], lengths, policy.capacity)
+        bound = min(spec.token_capacity, spec.batch_size * k)
+        assert bound == 32 < spec.token_capacity  # demo: 8 samples of at most 4 candidates
+        for key in ("candidate", "candidate_time", "label"):
+            if key in spec.keys:
+                assert spec.capacity(key) == bound
+                assert unbounded.capacity(key) == spec.token_capacity
+        for key in ("item", "action", "contextual"):
+            assert spec.capacity(key) == unbounded.capacity(key)
+        specs.append(spec)
+        dev = jb.to_device(hosts[:1], col.rank_sharding(mesh), spec)
+        assert jb.to_jagged(dev)[0].diff(hosts[0]) == []
+    for spec in specs:
+        for other in specs:
+            assert jb.spec_at_capacity(other, spec.token_capacity) == spec
+    # a source past the bound (more candidates than K per sample): a capacity of their own
+    hosts = _batches(index=0)
+    lengths = {key: np.stack([b.lengths[key] for b in hosts]) for key in hosts[0].keys}
+    need = int(lengths["candidate"].sum())
+    assert need > 8  # some sample has more than one candidate
+    tight = jb.spec_for(hosts[0], lengths, policy.capacity, candidates_per_sample=1)
+    assert tight.capacity("candidate") == jb.bucket_capacity(need) >= need
+    dev = jb.to_device(hosts, col.rank_sharding(mesh), tight)
+    assert jb.to_jagged(dev)[0].diff(hosts[0]) == []
+
+
 def test_stats_gather_is_exact_int64(mesh):
     stats = np.array([[2**40 + 3, -7, 0], [1, 2**62, -(2**50)]], dtype=np.int64)
     assert np.array_equal(col.allgather_stats(mesh, stats), stats)
