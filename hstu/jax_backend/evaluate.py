@@ -28,8 +28,17 @@ def _fine(n: int) -> int:
 
 
 class JaxEvaluator:
-    def __init__(self, model: HSTUModel, params_fn: Callable[[], Any], device: jax.Device):
+    def __init__(
+        self,
+        model: HSTUModel,
+        params_fn: Callable[[], Any],
+        device: jax.Device,
+        candidates_per_sample: int = 0,
+    ):
+        """`candidates_per_sample`: the bound on a sample's candidates (`jb.candidate_bound`)
+        that sizes the candidate keys, as the training step's batches; 0: the token capacity."""
         self.model, self._params_fn, self.device = model, params_fn, device
+        self.candidates_per_sample = candidates_per_sample
         self._sharding = jax.sharding.SingleDeviceSharding(device)
         self._source: Any = None  # the tree `_params` was copied from
         self._params: Any = None
@@ -60,7 +69,7 @@ class JaxEvaluator:
 
     def _device_batch(self, batch: JaggedBatch) -> jb.DeviceBatch:
         lengths = {k: np.asarray(batch.lengths[k])[None] for k in batch.keys}
-        spec = jb.spec_for(batch, lengths, _fine)
+        spec = jb.spec_for(batch, lengths, _fine, self.candidates_per_sample)
         return jb.to_device([batch], self._sharding, spec)
 
     def query_embeddings(self, batch: JaggedBatch) -> np.ndarray:
@@ -89,6 +98,6 @@ def from_params(cfg, params: dict[str, np.ndarray], device: str = "auto") -> Jax
     platform = {"auto": None, "cpu": "cpu", "cuda": "gpu", "gpu": "gpu"}[device]
     first = (jax.devices(platform) if platform else jax.devices())[0]
     model = build_model(cfg.model, cfg.data.max_seqlen, interpret=first.platform == "cpu")
-    evaluator = JaxEvaluator(model, lambda: None, first)
+    evaluator = JaxEvaluator(model, lambda: None, first, jb.candidate_bound(cfg))
     evaluator.load_params(params)
     return evaluator

@@ -610,10 +610,11 @@ class JaxBackend:
 
         if self.model is None:
             raise HSTUError("JaxBackend.evaluator needs the model it was built with")
+        bound = self.shuffler.candidates_per_sample  # the candidate keys sized as in training
         if self.tables is None:
-            return JaxEvaluator(self.model, lambda: self.state.params, self._devices[0])
+            return JaxEvaluator(self.model, lambda: self.state.params, self._devices[0], bound)
         model = self.model.clone(external_tables=False)  # the tables as params again
-        return JaxEvaluator(model, self._full_params, self._devices[0])
+        return JaxEvaluator(model, self._full_params, self._devices[0], bound)
 
     def _full_params(self):
         """One gathered tree per train state (the evaluator copies it once per step)."""

@@ -172,6 +172,30 @@ def test_model_matches_numpy_reference(task, sharding):
         assert 0.0 <= float(aux["hr@10"]) <= float(aux["ndcg@10"]) * 10
 
 
+def test_ranking_with_the_candidate_bound_matches_the_reference(sharding):
+    """Candidate keys sized `B * data.max_candidates` instead of T (`jb.candidate_bound`, as
+    training and evaluation size them): the same loss as the reference, and the evaluator's
+    logits equal to those of candidate keys sized T."""
+    from hstu.jax_backend.evaluate import from_params
+
+    cfg = _cfg("ranking")
+    params = init_params(cfg.model, seed=3)
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    lengths = {k: np.asarray(host.lengths[k])[None] for k in host.keys}
+    bounded = jb.spec_for(host, lengths, jb.bucket_capacity, jb.candidate_bound(cfg))
+    wide = jb.spec_for(host, lengths)
+    assert bounded.capacity("candidate") == 4 * cfg.data.max_candidates
+    assert wide.capacity("candidate") == wide.token_capacity > bounded.capacity("candidate")
+    loss, _ = _loss(cfg, params, host, sharding, bounded)
+    np.testing.assert_allclose(float(loss), reference_loss(cfg, params, host, 11.0), rtol=2e-5)
+    evaluator = from_params(cfg, params, "cpu")
+    assert evaluator.candidates_per_sample == cfg.data.max_candidates
+    logits = evaluator.candidate_logits(host)
+    assert logits.shape == (int(host.lengths["candidate"].sum()), cfg.model.num_tasks)
+    evaluator.candidates_per_sample = 0
+    np.testing.assert_allclose(evaluator.candidate_logits(host), logits, rtol=1e-5, atol=1e-6)
+
+
 # retrieval's in the slow tier (~6 s on 2 cores); its loss and gradients meet the numpy
 # reference in `make test` (test_model_matches_numpy_reference)
 @pytest.mark.parametrize("task", ["ranking", pytest.param("retrieval", marks=pytest.mark.slow)])
