@@ -124,3 +124,23 @@ class TokenLayout:
         out["offsets"] = out["offsets"][: r + 1]
         out["num_contextual"], out["num_candidates"] = counts[:b][:r], counts[b:][:r]
         return out
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """`x[perm]` for a permutation `perm` of `x`'s rows, `inv` its inverse (`perm[inv] ==
+    arange`). The gradient is `grad[inv]`, one gather: `index_select`'s own backward fills a
+    zero `x`-sized buffer and adds every row into it atomically (`index_add`), which for a
+    permutation gives the same values, each added to a zero once."""
+    return _PermuteRows.apply(x, perm, inv)

@@ -88,7 +88,7 @@ from hstu.pipeline import gathered_lengths
 from hstu.torch_backend import grad_sync
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
-from hstu.torch_backend.layout import layout_arrays
+from hstu.torch_backend.layout import layout_arrays, permute_rows
 from hstu.torch_backend.model import TOP_K
 from hstu.torch_backend.sharding import EMBEDDING_PREFIX, table_features
 from hstu.torch_backend.staging import staging
@@ -131,8 +131,10 @@ def host_inputs(
     lengths: dict[str, np.ndarray], capacity: int, loss_rows: int, task: str, loss_tokens: int
 ) -> np.ndarray:
     """The host-known part of a graph's static input (int64, one transfer): `header [8] |
-    offsets [R + 1] | num_contextual, num_candidates as int32 [2R] | inverse [C] | loss_a [Lc]
-    | loss_b [Lc]`, from each row's contextual / item / candidate counts.
+    offsets [R + 1] | num_contextual, num_candidates as int32 [2R] | inverse [C] | dest [C] |
+    loss_a [Lc] | loss_b [Lc]`, from each row's contextual / item / candidate counts; `dest`
+    is `inverse`'s inverse (the token of each source row), for the gradient of the rows'
+    placement (`layout.permute_rows`).
 
     Ranking: `loss_a` is each candidate's token. Retrieval: `loss_a` is each target's query
     token (the action token of event l), `loss_b` the source position of the item it scores
@@ -152,12 +154,15 @@ def host_inputs(
     header[: len(HEADER)] = (n_ctx, n_ctx + n_item, n_ctx + 2 * n_item, tokens, real, loss_tokens)
     counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
     inverse = np.concatenate([a["inverse"], np.arange(tokens, capacity, dtype=np.int64)])
+    dest = np.empty_like(inverse)
+    dest[inverse] = np.arange(inverse.size, dtype=np.int64)
     return np.concatenate(
         [
             header,
             a["offsets"],
             counts,
             inverse,
+            dest,
             _pad_distinct(loss_a, loss_rows, capacity),
             _pad_distinct(loss_b, loss_rows, capacity),
         ]
@@ -181,8 +186,8 @@ class _Static:
 
     def views(self) -> dict[str, torch.Tensor]:
         r, c, lc = self.rows, self.capacity, self.loss_rows
-        sizes = [HEADER_SIZE, r + 1, r, c, lc, lc]
-        header, offsets, counts, inverse, loss_a, loss_b = torch.split(self.ints, sizes)
+        sizes = [HEADER_SIZE, r + 1, r, c, c, lc, lc]
+        header, offsets, counts, inverse, dest, loss_a, loss_b = torch.split(self.ints, sizes)
         counts = counts.view(torch.int32)
         return {
             **dict(zip(HEADER, header.unbind(), strict=False)),
@@ -190,6 +195,7 @@ class _Static:
             "num_contextual": counts[:r],
             "num_candidates": counts[r:],
             "inverse": inverse,
+            "dest": dest,
             "loss_a": loss_a,
             "loss_b": loss_b,
         }
@@ -353,7 +359,7 @@ class StepGraphs:
 
     def _static(self, capacity: int, rows: int, loss_rows: int) -> _Static:
         device = self.params[0].device
-        size = HEADER_SIZE + 2 * rows + 1 + capacity + 2 * loss_rows
+        size = HEADER_SIZE + 2 * rows + 1 + 2 * capacity + 2 * loss_rows
         extra = loss_rows * (1 if self.task == "ranking" else self.num_negatives)
 
         def zeros(n):
@@ -436,7 +442,7 @@ class StepGraphs:
             "timestamps": None if s.time is None else s.time.index_select(0, inverse),
         }
         # the final norm on the rows the loss reads only (row-wise: the same values)
-        z = model.stack(e.index_select(0, inverse), seq, rows=v["loss_a"])
+        z = model.stack(permute_rows(e, inverse, v["dest"]), seq, rows=v["loss_a"])
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":
             logits = model.ranking_head(z)

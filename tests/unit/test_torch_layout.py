@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from hstu.config import load_config  # noqa: E402
 from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import to_torch  # noqa: E402
-from hstu.torch_backend.layout import TokenLayout  # noqa: E402
+from hstu.torch_backend.layout import TokenLayout, permute_rows  # noqa: E402
 from hstu.torch_backend.model import HSTUModel  # noqa: E402
 
 
@@ -126,3 +126,33 @@ def test_the_step_builds_no_layout_on_the_device(task):
     assert len(ops.names) <= 12, ops.names
     assert not {"repeat_interleave", "scatter_", "arange", "index"} & set(ops.names), ops.names
     assert ops.names.count("index_select") == 2  # tokens and timestamps, through `inverse`
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_rows_is_index_select_with_a_gather_for_its_gradient(dtype):
+    """`permute_rows` gives `index_select`'s values and gradient, bit for bit, and its
+    backward launches a gather where `index_select`'s adds every row into a zero buffer."""
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(50, generator=g)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(50)
+    x = torch.randn(50, 7, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(50, 7, generator=g).to(dtype)
+    want = x.index_select(0, perm)
+    (want_grad,) = torch.autograd.grad(want, x, up)
+    got = permute_rows(x, perm, inv)
+    assert torch.equal(got, want)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        (grad,) = torch.autograd.grad(got, x, up)
+    assert torch.equal(grad, want_grad)
+    assert not any("index_add" in n for n in ops.names), ops.names

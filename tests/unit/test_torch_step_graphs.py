@@ -45,6 +45,9 @@ def test_host_inputs_pad_the_layout_and_count_the_real_rows():
     # token 1 is sample 0's first item (source row 3), token 2 its action (source row 6)
     assert inverse[:3].tolist() == [0, 3, 6] and inverse[13:].tolist() == [13, 14, 15]
     assert sorted(inverse[:13].tolist()) == list(range(13))
+    dest = ranking[start + 16 : start + 32]  # the token of each source row
+    assert (inverse[dest] == np.arange(16)).all() and dest[3] == 1 and dest[6] == 2
+    start += 16
     pos_cand = ranking[start + 16 : start + 16 + 64]
     assert pos_cand[:4].tolist() == [5, 10, 11, 12]
     # padding: the capacity's other tokens once each (no pile-up of gradient adds on one
