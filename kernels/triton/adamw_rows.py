@@ -149,7 +149,7 @@ def _adamw_touched_kernel(
         for k in range(0, end - i, CHUNK):  # the sums sit at the run's chunk starts
             g += tl.load(run + k * stride_g, mask=cmask, other=0.0)
         sq = tl.reduce(g * g, 0, _add)
-        offs = row * D + cols
+        offs = row.to(tl.int64) * D + cols
         _adamw_tile(P + offs, M + offs, V2 + offs, cmask, g, Step, lr, beta1, beta2,
                     log2_beta1, log2_beta2, eps, weight_decay)  # fmt: skip
     tl.store(Sq + i * tl.num_programs(1) + pid_c, sq)
@@ -233,7 +233,9 @@ def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool, 
         ids = torch.full((1,), -1, dtype=torch.int64, device=param.device)
         grad_rows = torch.zeros((1, d), dtype=torch.float32, device=param.device)
         n = 1
-    sorted_ids, perm = torch.sort(ids.to(torch.int64), stable=True)
+    # int32 keys where the table allows (half the radix passes of int64 keys)
+    key_dtype = torch.int32 if num_rows < 2**31 else torch.int64
+    sorted_ids, perm = torch.sort(ids.to(key_dtype), stable=True)
     starts = torch.searchsorted(sorted_ids, sorted_ids)
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     grad_rows = grad_rows if grad_rows.stride(-1) == 1 else grad_rows.contiguous()
@@ -275,7 +277,7 @@ def _launch(param, exp_avg, exp_avg_sq, step, ids, grad_rows, hyper, run: bool, 
     else:  # every row of the table
         key = (num_rows, param.device)
         if key not in _ARANGE:
-            _ARANGE[key] = torch.arange(num_rows, device=param.device)
+            _ARANGE[key] = torch.arange(num_rows, dtype=key_dtype, device=param.device)
         first = torch.searchsorted(sorted_ids, _ARANGE[key])
         block_r = max(1, 4096 // block_c)
         grid = (triton.cdiv(num_rows, block_r), triton.cdiv(d, block_c))
