@@ -103,10 +103,11 @@ print('torchrec', torchrec.__version__)" ;;
     model)
       # the torch model's GPU tests: fused norms and elementwise kernels, the TF32 head, the
       # bf16 linears' fp32 weight gradients, the stack and step graphs (captured), against
-      # eager torch
+      # eager torch; the tables' AdamW from their looked-up rows
       run torch_model_gpu_tests python -m pytest -q -m gpu tests/unit/test_torch_model.py \
         tests/unit/test_torch_graphs.py tests/unit/test_torch_step_graphs.py \
-        tests/unit/test_triton_linear_silu.py tests/unit/test_triton_layer_norm.py ;;
+        tests/unit/test_triton_linear_silu.py tests/unit/test_triton_layer_norm.py \
+        tests/unit/test_triton_adamw_rows.py ;;
     bench)
       run triton_bench python -m hstu_kernels.triton.bench
       run triton_bias_bench python -m hstu_kernels.triton.bench_bias

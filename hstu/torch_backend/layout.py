@@ -57,6 +57,7 @@ def layout_arrays(contextual, items, candidates) -> dict[str, np.ndarray]:
         "pos_item": pos_item,
         "pos_cand": pos_cand,
         "inverse": inverse,
+        "dest": dest,
         "target_item": target_item,
         "num_contextual": c.astype(np.int32),
         "num_candidates": k.astype(np.int32),
@@ -66,12 +67,14 @@ def layout_arrays(contextual, items, candidates) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class TokenLayout:
     """One int64 buffer: `offsets [B + 1] | pos_item [L] | pos_cand [K] | inverse [T] |
-    target_item [N] | num_contextual, num_candidates as int32 [2B]` (host sizes alongside).
+    dest [T] | target_item [N] | num_contextual, num_candidates as int32 [2B]` (host sizes
+    alongside).
 
     * `offsets`: token offsets of the samples (the attention kernel's jagged layout);
     * `pos_item` / `pos_cand`: the token of each item / candidate value (an item's action token
       is the next one);
     * `inverse`: for each token, its row in `cat(contextual, item, action, candidate)` values;
+    * `dest`: the inverse permutation, each such row's token (`permute_rows`' gradient);
     * `target_item`: for each retrieval target (every item but a sample's last), the item
       value it is scored at.
 
@@ -94,7 +97,7 @@ class TokenLayout:
         """From each sample's contextual, item and candidate counts (host ints, `[B]` each)."""
         a = layout_arrays(contextual, items, candidates)
         counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
-        names = ("offsets", "pos_item", "pos_cand", "inverse", "target_item")
+        names = ("offsets", "pos_item", "pos_cand", "inverse", "dest", "target_item")
         buffer = torch.from_numpy(np.concatenate([*(a[n] for n in names), counts]))
         sizes = (a["pos_item"].size, a["pos_cand"].size, a["inverse"].size, a["target_item"].size)
         return cls(buffer, a["offsets"].size - 1, *sizes, rows=a["offsets"].size - 1)
@@ -116,10 +119,11 @@ class TokenLayout:
     def views(self) -> dict[str, torch.Tensor]:
         """The parts, as views of the buffer (no copies, no kernels)."""
         b, r = self.batch_size, self.rows
-        sizes = [b + 1, self.num_items, self.num_candidates, self.num_tokens, self.num_targets]
+        t = self.num_tokens
+        sizes = [b + 1, self.num_items, self.num_candidates, t, t, self.num_targets]
         parts = list(torch.split(self.buffer, [*sizes, b]))
         counts = parts.pop().view(torch.int32)
-        names = ("offsets", "pos_item", "pos_cand", "inverse", "target_item")
+        names = ("offsets", "pos_item", "pos_cand", "inverse", "dest", "target_item")
         out = dict(zip(names, parts, strict=True))
         out["offsets"] = out["offsets"][: r + 1]
         out["num_contextual"], out["num_candidates"] = counts[:b][:r], counts[b:][:r]

@@ -22,6 +22,7 @@ from hstu.errors import HSTUError
 from hstu.params import param_shapes
 from hstu.torch_backend.attention import get_attention, get_uvqk_attention
 from hstu.torch_backend.batch import TorchBatch
+from hstu.torch_backend.layout import permute_rows
 
 LN_EPS = 1e-6
 TOP_K = 10  # retrieval metrics: HR@10, NDCG@10
@@ -422,7 +423,8 @@ class HSTUModel(nn.Module):
                 emb["candidate"],
             ]
         )
-        x = src.index_select(0, inverse).to(self.compute_dtype)
+        # a permutation of the rows: its gradient is one gather (`permute_rows`)
+        x = permute_rows(src, inverse, where["dest"]).to(self.compute_dtype)
         item_time = ids["item_time"].values()
         times = torch.cat(
             [

@@ -59,6 +59,8 @@ def test_the_host_layout_is_the_token_table_sample_by_sample(seed):
     assert got["pos_item"].tolist() == pos_item
     assert got["pos_cand"].tolist() == pos_cand
     assert got["target_item"].tolist() == targets
+    inverse, dest = np.asarray(rows), got["dest"].numpy()
+    assert (dest[inverse] == np.arange(inverse.size)).all()  # the inverse permutation
     assert got["num_contextual"].dtype == got["num_candidates"].dtype == torch.int32
     assert got["num_contextual"].tolist() == c.tolist()
     assert got["num_candidates"].tolist() == k.tolist()
@@ -156,3 +158,28 @@ def test_permute_rows_is_index_select_with_a_gather_for_its_gradient(dtype):
         (grad,) = torch.autograd.grad(got, x, up)
     assert torch.equal(grad, want_grad)
     assert not any("index_add" in n for n in ops.names), ops.names
+
+
+@pytest.mark.parametrize("task", ["retrieval", "ranking"])
+def test_the_eager_step_differentiates_the_tokens_placement_by_a_gather(task, monkeypatch):
+    """`model.sequence` (the eager path, e.g. with TorchRec-sharded tables) places the looked-up
+    rows with `permute_rows`: every gradient bit for bit as through `index_select`, with one
+    `index_add` (the placement's backward) fewer."""
+    import hstu.torch_backend.model as model_module
+
+    def run():
+        model, batch = _model_and_batch(task)
+        loss, _ = model(batch.strip_padding(), 100)
+        with _Ops() as ops:
+            loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return grads, ops.names.count("index_add")
+
+    got, got_adds = run()
+    monkeypatch.setattr(model_module, "permute_rows", lambda x, perm, inv: x.index_select(0, perm))
+    want, want_adds = run()
+    assert got.keys() == want.keys() and got
+    assert all(torch.equal(got[n], want[n]) for n in want), [
+        n for n in want if not torch.equal(got[n], want[n])
+    ]
+    assert got_adds == want_adds - 1, (got_adds, want_adds)
