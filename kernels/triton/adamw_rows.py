@@ -9,9 +9,9 @@ table that is ~0.8 GB of memory traffic per step that carries ~2-20K rows of inf
 
 1. the ids are sorted (stable; as int32 keys where the table has fewer than 2**31 rows: CUB's
    radix sort makes a pass per key byte, half of int64's) and each run of equal ids summed in
-   sorted order, in chunks
-   of `CHUNK` positions, one program per chunk (`_chunk_sums_kernel`): a row looked up
-   thousands of times (a popular item) is summed by many programs, not one;
+   sorted order, in chunks of `CHUNK` positions, one program per chunk
+   (`_chunk_sums_kernel`): a row looked up thousands of times (a popular item) is summed by
+   many programs, not one;
 2. one streaming kernel (`_adamw_rows_kernel`) updates every row of the table, its moments
    and parameter, taking a touched row's gradient as the sum of its chunks' sums and zero
    for the others, and writes the squared gradient of its tile for the norm.
