@@ -217,53 +217,6 @@ def grad_norm(tree) -> jax.Array:
     return jax.numpy.sqrt(jax.numpy.asarray(total, f32))
 
 
-def apply_optimizer(optimizer: optax.GradientTransformation, grads, opt_state, params):
-    """`optimizer.update` then `optax.apply_updates`: the new params and optimizer state, the
-    same values, but the small fp32 leaves (biases, norm scales: `SMALL_LEAF`) updated as one
-    concatenation. One by one, each small leaf's update is a kernel of its own, ~60 of 1.5-2.5
-    us a step at bench_upstream (XLA does not join them); the concatenation goes to one fused
-    update whose inputs are the leaves and whose outputs are their slices. State layout and
-    checkpoints are unchanged: every params-shaped tree of the state (the moments) is packed
-    for the update and unpacked after it. An elementwise optimizer's arithmetic is the same
-    per element either way (a transformation that mixes leaves, e.g. a per-leaf mask or norm,
-    would see the packed leaf: this is for `make_optimizer`'s AdamW)."""
-    jnp = jax.numpy
-    leaves, treedef = jax.tree.flatten(params)
-    small = [i for i, x in enumerate(leaves) if x.size < SMALL_LEAF and x.dtype == jnp.float32]
-    if len(small) < 2:
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-    in_small = set(small)
-    shapes = [leaves[i].shape for i in small]
-    bounds = np.cumsum([leaves[i].size for i in small])[:-1].tolist()
-
-    def pack(tree):
-        ls = treedef.flatten_up_to(tree)
-        big = [x for i, x in enumerate(ls) if i not in in_small]
-        return big, jnp.concatenate([ls[i].ravel() for i in small])
-
-    def unpack(packed):
-        big, flat = iter(packed[0]), packed[1]
-        parts = iter(x.reshape(s) for x, s in zip(jnp.split(flat, bounds), shapes, strict=True))
-        return treedef.unflatten(
-            [next(parts) if i in in_small else next(big) for i in range(len(leaves))]
-        )
-
-    packed_def = jax.tree.structure(pack(params))
-
-    def is_params(x):
-        return jax.tree.structure(x) == treedef
-
-    def is_packed(x):
-        return jax.tree.structure(x) == packed_def
-
-    state = jax.tree.map(lambda x: pack(x) if is_params(x) else x, opt_state, is_leaf=is_params)
-    packed = pack(params)
-    updates, state = optimizer.update(pack(grads), state, packed)
-    new = unpack(optax.apply_updates(packed, updates))
-    return new, jax.tree.map(lambda x: unpack(x) if is_packed(x) else x, state, is_leaf=is_packed)
-
-
 def make_train_step(
     model: HSTUModel,
     optimizer: optax.GradientTransformation,
@@ -307,7 +260,8 @@ def make_train_step(
     def step(state: TrainState, batch: DeviceBatch, global_loss_tokens):
         rng = jax.random.fold_in(state.rng, state.step)
         (loss, aux), grads = grads_of(state.params, batch, global_loss_tokens, rng)
-        params, opt_state = apply_optimizer(optimizer, grads, state.opt_state, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm(grads), **aux}
         return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
@@ -367,7 +321,8 @@ def make_sharded_train_step(
             state.params, ids, rows, batch, global_loss_tokens, rng
         )
         tables, table_sq = update(state.tables, routes, g_rows)
-        params, opt_state = apply_optimizer(optimizer, grads, state.opt_state, state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
         if not setup.replicated:
             table_sq = 0.0
         norm = jax.numpy.sqrt(grad_norm(grads) ** 2 + table_sq)
@@ -411,7 +366,8 @@ def _zero_update(optimizer: optax.GradientTransformation) -> Callable:
 
     def update(params, opt_state):
         grads = jax.tree.map(jax.numpy.zeros_like, params)
-        return apply_optimizer(optimizer, grads, opt_state, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
     return update
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from functools import partial
 
 import numpy as np
 import pytest
@@ -782,51 +781,3 @@ def test_grad_norm_reduces_small_leaves_together():
     assert text.count("stablehlo.reduce") == 2  # the large leaf; the six small ones together
     assert "stablehlo.concatenate" in text
     assert float(grad_norm({"b": jnp.zeros((4,))})) == 0.0
-
-
-def test_apply_optimizer_updates_the_small_leaves_together_with_the_same_values():
-    """`apply_optimizer` gives AdamW's new params and state exactly as `optimizer.update` then
-    `optax.apply_updates` leaf by leaf, in the same state layout (checkpoints unchanged), over
-    steps; the small fp32 leaves go through one concatenation (their ~60 one-leaf update
-    kernels a step become one), the large ones and other dtypes as they are."""
-    import optax
-
-    from hstu.jax_backend.train_step import SMALL_LEAF, apply_optimizer
-
-    opt = make_optimizer(_cfg("ranking", "train.lr=0.01", "train.weight_decay=0.1").train)
-    rng = np.random.default_rng(0)
-
-    def leaf(*shape, dtype=jnp.float32):
-        return jnp.asarray(rng.normal(size=shape), dtype)
-
-    params = {
-        "big": leaf(SMALL_LEAF // 128, 128),
-        "half": leaf(5, dtype=jnp.bfloat16),  # not fp32: updated on its own
-        "layers": [{"bias": leaf(n), "scale": leaf(2, n)} for n in (3, 64, 1000)],
-    }
-    want_p, want_s = params, opt.init(params)
-    got_p, got_s = params, opt.init(params)
-    step = jax.jit(partial(apply_optimizer, opt))
-
-    @jax.jit
-    def plain(grads, state, params):
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    for _ in range(3):
-        grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
-        want_p, want_s = plain(grads, want_s, want_p)
-        got_p, got_s = step(grads, got_s, got_p)
-    assert jax.tree.structure(got_s) == jax.tree.structure(want_s)
-    assert jax.tree.structure(got_p) == jax.tree.structure(want_p)
-    for got, want in zip(jax.tree.leaves((got_p, got_s)), jax.tree.leaves((want_p, want_s))):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    text = jax.jit(partial(apply_optimizer, opt)).lower(grads, got_s, got_p).as_text()
-    assert "stablehlo.concatenate" in text
-    # one leaf, or no small leaf: the plain update
-    lone = {"w": leaf(3)}
-    p, _ = step(lone, opt.init(lone), lone)
-    np.testing.assert_array_equal(
-        np.asarray(p["w"]), np.asarray(plain(lone, opt.init(lone), lone)[0]["w"])
-    )
