@@ -71,6 +71,16 @@ def summarize_trace(path: str, steps: int, top: int = 25, hlo_dir: str | None = 
     print("\n== device kernels by class (every stream together)")
     for line in tr.kernel_classes(events, steps).lines():
         print(line)
+
+    def source(name: str) -> str | None:  # jax with --hlo: the op the fusion was made from
+        if hlo is None or name not in modules:
+            return None
+        found = [x[6:] for x in hlo.describe(*modules[name]) if x.startswith("from: ")]
+        return re.sub(r"layers_\d+", "layers_N", found[0]) if found else None
+
+    print("\n== kernels under 8 us by source (every stream together; jax --hlo: the jax op)")
+    for line in tr.short_kernels(events, steps, source):
+        print(line)
     print("\n== device idle (every stream together)")
     try:
         for line in tr.idle_report(events, steps).lines():

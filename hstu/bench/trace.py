@@ -116,6 +116,37 @@ def kernel_classes(events: list[dict], steps: int, short_us_max: float = 8.0) ->
     return KernelClasses(steps, short_us_max, dict(rows))
 
 
+def short_kernels(
+    events: list[dict],
+    steps: int,
+    source=None,
+    short_us_max: float = 8.0,
+    top: int = 25,
+) -> list[str]:
+    """The device events under `short_us_max` (launch and ramp, not work), grouped by where
+    they come from: `source(kernel name)` (e.g. the jax op an XLA fusion was made from, with
+    the layer index dropped), the name itself where it gives None. Lines: ms per step, events
+    per step, source; the largest `top` groups, then the total."""
+    names = names_of(events)
+    us: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        short = e.get("ph") == "X" and "dur" in e and e["dur"] < short_us_max
+        if short and is_device_event(e, names):
+            key = (source(e["name"]) if source else None) or e["name"]
+            us[key] += e["dur"]
+            count[key] += 1
+    s = max(steps, 1)
+    out = [f"  {'ms/step':>8} {'kernels':>8}  source"]
+    for key, t in us.most_common(top):
+        out.append(f"  {t / 1e3 / s:8.3f} {count[key] / s:8.1f}  {key[:120]}")
+    total = sum(us.values())
+    out.append(
+        f"  {total / 1e3 / s:8.3f} {sum(count.values()) / s:8.1f}  all under {short_us_max:g} us"
+    )
+    return out
+
+
 def _union(spans: list[tuple[float, float, str]]) -> list[list]:
     """Merged busy intervals `[start, end, first event's name, name of the event ending last]`."""
     out: list[list] = []

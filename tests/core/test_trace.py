@@ -231,3 +231,27 @@ def test_device_busy_in_ranges_counts_each_ranges_device_work_once():
     ]
     busy = tr.device_busy_in_ranges(events, "hstu.timed/")
     assert busy == {"hstu.timed/fwd/0": 70, "hstu.timed/fwd/1": 50, "hstu.timed/idle/0": 0}
+
+
+def test_short_kernels_group_by_source_largest_first():
+    """Kernels under the limit, grouped by `source(name)` (the name where it gives None),
+    per step, largest group first; long kernels and host events left out."""
+    k = {"cat": "kernel"}
+    events = [
+        _meta(1, "python"),
+        _meta(1, "main", tid=1),
+        _x(0, 7, "loop_add_fusion_3", 0, 2, **k),
+        _x(0, 7, "loop_add_fusion_9", 10, 3, **k),
+        _x(0, 7, "input_reduce_fusion_1", 20, 4, **k),
+        _x(0, 7, "wrapped_convert", 30, 1, **k),
+        _x(0, 7, "nvjet_gemm", 40, 90, **k),  # long: not listed
+        _x(1, 1, "aten::add", 0, 2),  # host: not listed
+    ]
+    adam = {"loop_add_fusion_3": "adamw/add", "loop_add_fusion_9": "adamw/add"}
+    lines = tr.short_kernels(events, steps=2, source=adam.get, short_us_max=8.0)
+    rows = [line.split() for line in lines[1:]]
+    assert rows[0] == ["0.003", "1.0", "adamw/add"]  # 2 + 3 us over 2 steps
+    assert rows[1] == ["0.002", "0.5", "input_reduce_fusion_1"]
+    assert rows[2] == ["0.001", "0.5", "wrapped_convert"]
+    assert rows[-1][:2] == ["0.005", "2.0"] and "under 8 us" in lines[-1]
+    assert tr.short_kernels(events, steps=1, short_us_max=2.5)[1].split()[-1] == "loop_add_fusion_3"
