@@ -153,9 +153,8 @@ def host_inputs(
     header = np.zeros(HEADER_SIZE, np.int64)
     header[: len(HEADER)] = (n_ctx, n_ctx + n_item, n_ctx + 2 * n_item, tokens, real, loss_tokens)
     counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
-    inverse = np.concatenate([a["inverse"], np.arange(tokens, capacity, dtype=np.int64)])
-    dest = np.empty_like(inverse)
-    dest[inverse] = np.arange(inverse.size, dtype=np.int64)
+    tail = np.arange(tokens, capacity, dtype=np.int64)  # padding tokens: their own rows
+    inverse, dest = (np.concatenate([a[k], tail]) for k in ("inverse", "dest"))
     return np.concatenate(
         [
             header,
