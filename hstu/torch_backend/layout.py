@@ -148,3 +148,25 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torc
     zero `x`-sized buffer and adds every row into it atomically (`index_add`), which for a
     permutation gives the same values, each added to a zero once."""
     return _PermuteRows.apply(x, perm, inv)
+
+
+class _SelectDistinctRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.num_rows, *grad.shape[1:]))
+        return out.index_copy_(0, rows, grad), None
+
+
+def select_distinct_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`x[rows]` for distinct `rows`. The gradient is the rows written into zeros
+    (`index_copy_`, plain stores): `index_select`'s own backward adds them atomically
+    (`index_add`), which for distinct rows gives the same values, each added to a zero once.
+    Repeated rows would keep one of their gradients: callers promise distinct ones."""
+    return _SelectDistinctRows.apply(x, rows)

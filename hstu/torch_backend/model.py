@@ -22,7 +22,7 @@ from hstu.errors import HSTUError
 from hstu.params import param_shapes
 from hstu.torch_backend.attention import get_attention, get_uvqk_attention
 from hstu.torch_backend.batch import TorchBatch
-from hstu.torch_backend.layout import permute_rows
+from hstu.torch_backend.layout import permute_rows, select_distinct_rows
 
 LN_EPS = 1e-6
 TOP_K = 10  # retrieval metrics: HR@10, NDCG@10
@@ -266,13 +266,19 @@ class HSTULayer(nn.Module):
 
 
 def run_stack(
-    layers, final_norm: LayerNorm, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None
+    layers,
+    final_norm: LayerNorm,
+    x: torch.Tensor,
+    seq: dict,
+    rows: torch.Tensor | None = None,
+    distinct: bool = True,
 ) -> torch.Tensor:
     """The HSTU layers and the final norm: `z [T, D]` in fp32, or only its rows `rows` (the
     ones a loss reads: the last residual add and the norm are row-wise, so the same values
     without the `[T, D]` pass each way). Each layer's residual add happens in the next norm
     (`HSTULayer.forward`); a reduced-precision stack's linears get their parameters' copies
-    in x's dtype from one multi-tensor copy (`reduced_weights`)."""
+    in x's dtype from one multi-tensor copy (`reduced_weights`). `distinct`: `rows` holds
+    no row twice, so their gradients are written, not added (`select_distinct_rows`)."""
     linears = [linear for layer in layers for linear in (layer.uvqk, layer.output)]
     reduced = None
     if linears and x.dtype != linears[0].kernel.dtype:
@@ -284,9 +290,10 @@ def run_stack(
         # the whole stream's norm, so that every parameter still gets a (zero) gradient
         return final_norm.add(x, pending)[1].float().index_select(0, rows)
     if rows is not None:
-        x = x.index_select(0, rows)
+        select = select_distinct_rows if distinct else lambda t, i: t.index_select(0, i)
+        x = select(x, rows)
         if pending is not None:
-            pending = (pending[0].index_select(0, rows), pending[1])
+            pending = (select(pending[0], rows), pending[1])
     return final_norm.add(x, pending)[1].float()
 
 
@@ -451,9 +458,12 @@ class HSTUModel(nn.Module):
         }
         return x, seq
 
-    def stack(self, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The HSTU layers and the final norm: `z [T, D]` in fp32, or its rows `rows`."""
-        return run_stack(self.layers, self.final_norm, x, seq, rows)
+    def stack(
+        self, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None, distinct: bool = True
+    ) -> torch.Tensor:
+        """The HSTU layers and the final norm: `z [T, D]` in fp32, or its rows `rows`
+        (`distinct`: no row twice, as every loss row and query token is)."""
+        return run_stack(self.layers, self.final_norm, x, seq, rows, distinct)
 
     def loss_rows(self, seq: dict) -> torch.Tensor:
         """The tokens whose output the loss reads: each candidate (ranking), each target's

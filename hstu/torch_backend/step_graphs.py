@@ -88,7 +88,7 @@ from hstu.pipeline import gathered_lengths
 from hstu.torch_backend import grad_sync
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
-from hstu.torch_backend.layout import layout_arrays, permute_rows
+from hstu.torch_backend.layout import layout_arrays, permute_rows, select_distinct_rows
 from hstu.torch_backend.model import TOP_K
 from hstu.torch_backend.sharding import EMBEDDING_PREFIX, table_features
 from hstu.torch_backend.staging import staging
@@ -116,8 +116,10 @@ def loss_rows_capacity(
 def _pad_distinct(idx: np.ndarray, size: int, bound: int) -> np.ndarray:
     """`idx` (distinct) padded to `size` with indices of `[0, bound)` it does not hold, each
     once while there are such, then zeros. The graph reads rows at these indices and its
-    backward adds the rows' gradients back there (`index_select`'s, atomically): padding rows
-    all at row 0 put hundreds of zero adds onto one row, which the atomics serialize."""
+    backward writes the rows' gradients back there where all are distinct (`size <= bound`:
+    `layout.select_distinct_rows`), else adds them (`index_select`'s backward, atomically):
+    padding rows all at row 0 put hundreds of zero adds onto one row, which atomics
+    serialize."""
     pad = size - idx.size
     if pad <= 0:
         return idx
@@ -440,8 +442,10 @@ class StepGraphs:
             "num_candidates": v["num_candidates"],
             "timestamps": None if s.time is None else s.time.index_select(0, inverse),
         }
-        # the final norm on the rows the loss reads only (row-wise: the same values)
-        z = model.stack(permute_rows(e, inverse, v["dest"]), seq, rows=v["loss_a"])
+        # the final norm on the rows the loss reads only (row-wise: the same values); their
+        # padding is distinct rows where the capacity has enough (`_pad_distinct`)
+        x = permute_rows(e, inverse, v["dest"])
+        z = model.stack(x, seq, rows=v["loss_a"], distinct=s.loss_rows <= cap)
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":
             logits = model.ranking_head(z)
@@ -449,9 +453,14 @@ class StepGraphs:
             loss = torch.where(real_rows[:, None], bce, 0.0).sum() / denom
             return loss, {}, (lookups, rows, small_lookups)
         r, item_src = self.num_negatives, v["loss_b"]
+        pos_rows = (
+            select_distinct_rows(e_item, item_src)
+            if s.loss_rows <= cap
+            else e_item.index_select(0, item_src)
+        )
         loss, hit, ndcg = model.retrieval_terms(
             z,
-            e_item.index_select(0, item_src),
+            pos_rows,
             e_neg.reshape(s.loss_rows, r, -1),
             ids.index_select(0, item_src),
             neg_ids.reshape(s.loss_rows, r),

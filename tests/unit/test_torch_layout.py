@@ -15,7 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from hstu.config import load_config  # noqa: E402
 from hstu.testing import DEMO_CONFIG, make_global_batch  # noqa: E402
 from hstu.torch_backend.batch import to_torch  # noqa: E402
-from hstu.torch_backend.layout import TokenLayout, permute_rows  # noqa: E402
+from hstu.torch_backend.layout import (  # noqa: E402
+    TokenLayout,
+    permute_rows,
+    select_distinct_rows,
+)
 from hstu.torch_backend.model import HSTUModel  # noqa: E402
 
 
@@ -183,3 +187,49 @@ def test_the_eager_step_differentiates_the_tokens_placement_by_a_gather(task, mo
         n for n in want if not torch.equal(got[n], want[n])
     ]
     assert got_adds == want_adds - 1, (got_adds, want_adds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_distinct_rows_is_index_select_with_its_gradient_written_not_added(dtype):
+    """`select_distinct_rows` gives `index_select`'s values and gradient for distinct rows,
+    bit for bit, the gradient written into zeros (`index_copy_`) instead of added."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randperm(40, generator=g)[:13]
+    x = torch.randn(40, 5, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(13, 5, generator=g).to(dtype)
+    want = x.index_select(0, rows)
+    (want_grad,) = torch.autograd.grad(want, x, up)
+    got = select_distinct_rows(x, rows)
+    assert torch.equal(got, want)
+    with _Ops() as ops:
+        (grad,) = torch.autograd.grad(got, x, up)
+    assert torch.equal(grad, want_grad)
+    others = torch.ones(40, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(grad[rows], up) and not grad[others].any()
+    assert ops.names == ["new_zeros", "index_copy_"], ops.names
+
+
+@pytest.mark.parametrize("task", ["retrieval", "ranking"])
+def test_the_eager_step_writes_the_loss_rows_gradient(task, monkeypatch):
+    """The stack's last residual stream and its pending residual read at the loss's rows
+    (distinct): every gradient bit for bit as through `index_select`, with two `index_add`s
+    (their backward) fewer."""
+    import hstu.torch_backend.model as model_module
+
+    def run():
+        model, batch = _model_and_batch(task)
+        loss, _ = model(batch.strip_padding(), 100)
+        with _Ops() as ops:
+            loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return grads, ops.names.count("index_add")
+
+    got, got_adds = run()
+    monkeypatch.setattr(model_module, "select_distinct_rows", lambda x, i: x.index_select(0, i))
+    want, want_adds = run()
+    assert got.keys() == want.keys() and got
+    assert all(torch.equal(got[n], want[n]) for n in want), [
+        n for n in want if not torch.equal(got[n], want[n])
+    ]
+    assert got_adds == want_adds - 2, (got_adds, want_adds)
