@@ -116,6 +116,20 @@ def kernel_classes(events: list[dict], steps: int, short_us_max: float = 8.0) ->
     return KernelClasses(steps, short_us_max, dict(rows))
 
 
+_NAME_NOISE = re.compile(
+    r"^void |at::native::|\(anonymous namespace\)::|at::cuda::|c10::|std::|"
+    r"::operator\(\)\(\) const|\{lambda\(\)#\d+\}"
+)
+
+
+def short_name(name: str) -> str:
+    """A kernel name without the namespaces and lambda wrappers that make torch's elementwise
+    kernels' names start alike (`void at::native::vectorized_elementwise_kernel<4,
+    at::native::(anonymous namespace)::where_kernel_impl(...)...`): what tells them apart
+    comes first."""
+    return _NAME_NOISE.sub("", name)
+
+
 def short_kernels(
     events: list[dict],
     steps: int,
@@ -139,7 +153,7 @@ def short_kernels(
     s = max(steps, 1)
     out = [f"  {'ms/step':>8} {'kernels':>8}  source"]
     for key, t in us.most_common(top):
-        out.append(f"  {t / 1e3 / s:8.3f} {count[key] / s:8.1f}  {key[:120]}")
+        out.append(f"  {t / 1e3 / s:8.3f} {count[key] / s:8.1f}  {short_name(key)[:160]}")
     total = sum(us.values())
     out.append(
         f"  {total / 1e3 / s:8.3f} {sum(count.values()) / s:8.1f}  all under {short_us_max:g} us"

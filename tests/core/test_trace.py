@@ -255,3 +255,15 @@ def test_short_kernels_group_by_source_largest_first():
     assert rows[2] == ["0.001", "0.5", "wrapped_convert"]
     assert rows[-1][:2] == ["0.005", "2.0"] and "under 8 us" in lines[-1]
     assert tr.short_kernels(events, steps=1, short_us_max=2.5)[1].split()[-1] == "loop_add_fusion_3"
+
+
+def test_short_name_puts_what_tells_torch_kernels_apart_first():
+    name = (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
+        "where_kernel_impl(at::TensorIteratorBase&)::{lambda()#1}::operator()() const::"
+        "{lambda()#9}::operator()() const::{lambda(bool, c10::BFloat16, c10::BFloat16)#1}, "
+        "std::array<char*, 4ul> >(int)"
+    )
+    assert tr.short_name(name).startswith("vectorized_elementwise_kernel<4, where_kernel_impl(")
+    assert "BFloat16, BFloat16" in tr.short_name(name)
+    assert tr.short_name("loop_add_fusion_3") == "loop_add_fusion_3"
