@@ -5,6 +5,7 @@ they are imported lazily so that building a model never compiles a kernel it doe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -65,3 +66,15 @@ def get_uvqk_attention(
     if backward == "auto":
         return op
     return functools.partial(op, backward=backward)
+
+
+def shared_schedules(name: str) -> contextlib.AbstractContextManager:
+    """Around one step's forward and backward (or their capture into a CUDA graph): for
+    `model.attention` = kernel, the kernels' schedule tables built once per step and shared by
+    the layers (`hstu_kernels.triton.shared_schedules`: 3 table launches a step instead of 3
+    a layer); a no-op for the reference."""
+    if name != "kernel":
+        return contextlib.nullcontext()
+    from hstu_kernels.triton import shared_schedules as shared
+
+    return shared()

@@ -86,6 +86,7 @@ import torch.nn.functional as F
 from hstu.capacity import CapacityPolicy
 from hstu.pipeline import gathered_lengths
 from hstu.torch_backend import grad_sync
+from hstu.torch_backend.attention import shared_schedules
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
 from hstu.torch_backend.layout import layout_arrays, permute_rows, select_distinct_rows
@@ -319,7 +320,8 @@ class StepGraphs:
         if entry is None:
             entry = self.graphs[key] = self._make(static)
         if entry.graph is None:
-            return self._run(static), self.names + ["grad_norm"]
+            with shared_schedules(self.model.cfg.attention):
+                return self._run(static), self.names + ["grad_norm"]
         entry.graph.replay()  # a new graph too: its capture only recorded the step
         return entry.out, self.names + ["grad_norm"]
 
@@ -353,7 +355,8 @@ class StepGraphs:
             if entry is None:
                 self.eager_steps += 1
                 self._init_state()
-            local = self._run_local(static)
+            with shared_schedules(self.model.cfg.attention):
+                local = self._run_local(static)
         self.scalars[-1].fill_(float(other_graphs + self.num_graphs))
         out = self._reduce_update(*local, lookups)
         return out, self.names + ["num_compiles", "grad_norm"]
@@ -562,8 +565,9 @@ class StepGraphs:
             for _ in range(self.warmup):
                 for p in self.params:
                     p.grad = None
-                loss, _, (ids, rows, _) = self.loss(s)
-                loss.backward()
+                with shared_schedules(self.model.cfg.attention):
+                    loss, _, (ids, rows, _) = self.loss(s)
+                    loss.backward()
                 del loss
             self._update_table(ids, rows.grad, run=False)  # its kernels built, not run
             del ids, rows
@@ -574,7 +578,7 @@ class StepGraphs:
             for group in self.optimizer.param_groups:
                 group["capturable"] = True  # the step count stays on the device
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), shared_schedules(self.model.cfg.attention):
             out = self._run(s) if self.world_size == 1 else self._run_local(s)
         return _Graph(graph, s, out)
 

@@ -32,6 +32,7 @@ from hstu.errors import HSTUError
 from hstu.params import init_params
 from hstu.pipeline import STAT_LOSS_TOKENS, gathered_lengths
 from hstu.torch_backend import collectives
+from hstu.torch_backend.attention import shared_schedules
 from hstu.torch_backend.checkpoint import TrainCheckpointer
 from hstu.torch_backend.grad_sync import GradBuckets, RowMarks, TouchedRowsReduce
 from hstu.torch_backend.graphs import GraphedStack, check_cuda_graphs
@@ -184,11 +185,12 @@ class TorchBackend(TorchShuffler):
             def more():
                 return self.row_reduce.reduce(lookups)
 
-        loss, sums = self.model(batch, global_loss_tokens)
-        self._mark(marks)
-        if loss.requires_grad:
-            loss.backward()  # launches the bucket reductions as their gradients finish
-        self._mark(marks)
+        with shared_schedules(self.model.cfg.attention):
+            loss, sums = self.model(batch, global_loss_tokens)
+            self._mark(marks)
+            if loss.requires_grad:
+                loss.backward()  # launches the bucket reductions as their gradients finish
+            self._mark(marks)
         parts = [loss.detach().float().reshape(1)]
         parts += [v.detach().float().reshape(1) for v in sums.values()]
         names = ["loss", *sums]

@@ -18,9 +18,16 @@ __all__ = [
     "hstu_linear_uvqk_attention",
     "hstu_mask_reference",
     "hstu_uvqk_attention",
+    "shared_schedules",
 ]
 
-_LAZY = ("BlockSizes", "hstu_attention", "hstu_linear_uvqk_attention", "hstu_uvqk_attention")
+_LAZY = (
+    "BlockSizes",
+    "hstu_attention",
+    "hstu_linear_uvqk_attention",
+    "hstu_uvqk_attention",
+    "shared_schedules",
+)
 
 
 def __getattr__(name: str):

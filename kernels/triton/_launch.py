@@ -275,7 +275,47 @@ def _common_meta(q, v, nc_, nk_, rp_, has_time: int, bs: BlockSizes) -> dict:
     )  # fmt: skip
 
 
+# the schedule tables built inside ``shared_schedules()``, by launch: None outside
+_SHARED: dict | None = None
+
+
+@contextlib.contextmanager
+def shared_schedules():
+    """Inside, each schedule table is built once and reused by every launch with the same
+    sequence offsets (the same tensor, unchanged), rows and block: the layers of a step share
+    one offsets tensor, so a step builds three tables (forward, dq, dk / dv) instead of three a
+    layer. Wrap one step's forward and backward (or their capture into a CUDA graph, whose
+    replays run the one recorded table kernel each step); the tables are dropped on exit.
+    Not reentrant: an inner use keeps the outer one's tables."""
+    global _SHARED
+    if _SHARED is not None:
+        yield
+        return
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        _SHARED = None
+
+
 def _schedule(
+    so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool,
+    on_device: bool | None = None,
+):  # fmt: skip
+    shared = _SHARED
+    if shared is None:
+        return _build_schedule(so, T, H, max_seqlen, block, key_major, on_device)
+    # the offsets by their memory and version (views share it; an in-place write bumps it):
+    # the entry holds the tensor, so that memory is not another tensor's while it lives
+    where = (so.device, so.data_ptr(), so.numel(), so._version)
+    key = (*where, T, max_seqlen, block, key_major, on_device)
+    if key not in shared:
+        shared[key] = (so, _build_schedule(so, T, H, max_seqlen, block, key_major, on_device))
+    _, table, G = shared[key][1]
+    return (G * H,), table, G
+
+
+def _build_schedule(
     so: torch.Tensor, T: int, H: int, max_seqlen: int, block: int, key_major: bool,
     on_device: bool | None = None,
 ):  # fmt: skip

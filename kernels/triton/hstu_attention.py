@@ -61,6 +61,7 @@ from ._launch import (
     default_backward,
     default_block_sizes,
     is_interpret_mode,
+    shared_schedules,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "hstu_linear_uvqk_attention",
     "hstu_uvqk_attention",
     "is_interpret_mode",
+    "shared_schedules",
 ]
 
 

@@ -917,6 +917,40 @@ def test_kernel_schedule_matches_the_reference(mode, key_major):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_shared_schedules_build_each_table_once_per_step(mode, monkeypatch):
+    """Two layers' attention (forward and backward) over one offsets tensor inside
+    `shared_schedules`: one table per launch kind (forward, dq, dk / dv), not one per layer
+    and kind; the same outputs and gradients as without it. An in-place write to the offsets
+    builds the tables again; outside the context nothing is kept."""
+    (q, k, v), so, kw, _, _, _ = _make_inputs(mode, "plain", torch.float32, 3)
+    built = []
+    real = _launch._build_schedule
+    monkeypatch.setattr(_launch, "_build_schedule", lambda *a: built.append(a[4:6]) or real(*a))
+
+    def two_layers():
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = hstu_attention(*xs, so, **kw)
+        out = out + hstu_attention(xs[0].tanh(), xs[1], xs[2], so, **kw)
+        grads = torch.autograd.grad(out.square().sum(), xs)
+        return out.detach(), grads
+
+    want = two_layers()
+    assert len(built) == 6  # three launches a layer
+    built.clear()
+    with hstu_attention_module.shared_schedules():
+        got = two_layers()
+        kinds = len(set(built))  # (block, key_major) of each launch kind
+        assert len(built) == kinds <= 3
+        so.add_(0)  # a write: its version moves on
+        two_layers()
+        assert len(built) == 2 * kinds
+    assert _launch._SHARED is None
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_adjacent_gradients_zero_their_padding_in_one_launch(mode, monkeypatch):
     """The backward's dq, dk, dv written as adjacent columns of the uvqk gradient (v, q, k of
     `[u, v, q, k]`) get their capacity padding zeroed by one launch over their columns; the u
