@@ -435,7 +435,8 @@ class StepGraphs:
         small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_table.shape[0], 0))
         if self.tables is not None:  # their touched rows: the update's marks
             small_lookups = torch.where(ctx | act, small_ids, -1)
-        e_small = F.embedding(small_ids, small).to(model.compute_dtype)
+        # int32 ids: the backward's radix sort of the ids makes one pass per key byte
+        e_small = F.embedding(small_ids.to(torch.int32), small).to(model.compute_dtype)
         e = torch.where((ctx | act)[:, None], e_small, e_item.to(model.compute_dtype))
         inverse = v["inverse"]
         seq = {

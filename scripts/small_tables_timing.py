@@ -1,0 +1,77 @@
+"""What the step graph's lookup of the small tables (contextual and action, read as one) costs
+on the device, forward and backward, in the ways it can be written.
+
+    python scripts/small_tables_timing.py [--capacity 12288] [--rows 32] [--items 5000]
+
+The step graph (hstu/torch_backend/step_graphs.py) reads the contextual and action tables as
+one `[C + A, D]` fp32 table at every position of the token capacity: contextual and action
+tokens at their rows, every other position at row 0 with a zero gradient (masked after).
+Variants, each forward + backward of `where(mask, lookup(ids, table).to(bf16), 0)`:
+
+* `embedding int64`: `F.embedding` with int64 ids (as the step graph does): its backward sorts
+  the ids (CUB radix sort) and sums the gradient by segments;
+* `embedding int32`: the same with int32 ids (the sort's keys half as wide);
+* `index_select`: `index_select`, whose backward adds every row atomically (`index_add`).
+
+bench_upstream at batch 32 has ~12K tokens a step, 4 contextual tokens a sample and ~5K
+events (action tokens). Times: CUDA-graph replays (`hstu_kernels.triton.bench.graph_time_ms`),
+device ms per call. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--capacity", type=int, default=12288)
+    p.add_argument("--rows", type=int, default=32, help="samples (4 contextual tokens each)")
+    p.add_argument("--items", type=int, default=5000, help="events: action tokens")
+    p.add_argument("--contextual-ids", type=int, default=1000)
+    p.add_argument("--actions", type=int, default=16)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    from hstu_kernels.triton.bench import graph_time_ms
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    n_ctx, n_act, cap = 4 * args.rows, args.items, args.capacity
+    table = torch.randn(args.contextual_ids + args.actions, args.dim, device=dev)
+    table.requires_grad_()
+    ids = torch.zeros(cap, dtype=torch.int64, device=dev)
+    ids[:n_ctx] = torch.randint(0, args.contextual_ids, (n_ctx,), device=dev, generator=gen)
+    acts = torch.randint(0, args.actions, (n_act,), device=dev, generator=gen)
+    ids[n_ctx : n_ctx + n_act] = args.contextual_ids + acts
+    perm = torch.randperm(cap, device=dev, generator=gen)  # the tokens' order: interleaved
+    ids = ids[perm]
+    mask = (perm < n_ctx + n_act)[:, None]
+    grad = torch.randn(cap, args.dim, device=dev, generator=gen).to(torch.bfloat16)
+    ids32 = ids.to(torch.int32)
+    variants = {
+        "embedding int64": lambda: F.embedding(ids, table),
+        "embedding int32": lambda: F.embedding(ids32, table),
+        "index_select": lambda: table.index_select(0, ids),
+    }
+    want = None
+    print(f"{'variant':<18} {'fwd+bwd ms':>10}  table gradient")
+    for name, lookup in variants.items():
+
+        def step(lookup=lookup):
+            e = torch.where(mask, lookup().to(torch.bfloat16), 0)
+            (g,) = torch.autograd.grad(e, table, grad)
+            return g
+
+        got = step()
+        want = got if want is None else want
+        same = "same bits" if torch.equal(got, want) else f"max diff {(got - want).abs().max():.2e}"
+        print(f"{name:<18} {graph_time_ms(step, args.calls, args.rounds):10.4f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
