@@ -81,7 +81,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hstu.capacity import CapacityPolicy
 from hstu.pipeline import gathered_lengths
@@ -89,7 +88,7 @@ from hstu.torch_backend import grad_sync
 from hstu.torch_backend.attention import shared_schedules
 from hstu.torch_backend.batch import TorchBatch
 from hstu.torch_backend.graphs import MAX_GRAPHS  # beyond it, a new shape runs the eager step
-from hstu.torch_backend.layout import layout_arrays, permute_rows, select_distinct_rows
+from hstu.torch_backend.layout import layout_arrays, select_distinct_rows
 from hstu.torch_backend.model import TOP_K
 from hstu.torch_backend.sharding import EMBEDDING_PREFIX, table_features
 from hstu.torch_backend.staging import staging
@@ -427,18 +426,23 @@ class StepGraphs:
         rows = tables["item"].weight.detach().index_select(0, looked).requires_grad_()
         small_lookups = None
         e_item, e_neg = rows.split([cap, looked.numel() - cap])
-        # The contextual and action tables (small) read as one: a second lookup over the
-        # capacity, not two. Cast before selecting and placing the rows: moving values commutes
-        # with the cast (the eager model casts after), and the bf16 copies halve the traffic.
+        # The contextual and action tables (small) read as one: a second source over the
+        # capacity, not two.
         ctx_table = tables["contextual"].weight
         small = torch.cat([ctx_table, tables["action"].weight])
         small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_table.shape[0], 0))
         if self.tables is not None:  # their touched rows: the update's marks
             small_lookups = torch.where(ctx | act, small_ids, -1)
-        # int32 ids: the backward's radix sort of the ids makes one pass per key byte
-        e_small = F.embedding(small_ids.to(torch.int32), small).to(model.compute_dtype)
-        e = torch.where((ctx | act)[:, None], e_small, e_item.to(model.compute_dtype))
         inverse = v["inverse"]
+        # the rows in the stack's dtype and token order, from the item rows or the small
+        # tables, one kernel each way (`embed_tokens`); int32 ids: the small tables' gradient
+        # sorts them, one radix pass per key byte
+        from hstu_kernels.triton.embed_tokens import embed_tokens
+
+        x = embed_tokens(
+            e_item, small, small_ids.to(torch.int32), ctx | act, inverse, v["dest"],
+            model.compute_dtype,
+        )  # fmt: skip
         seq = {
             "offsets": v["offsets"],
             "max_seqlen": self.max_seqlen,
@@ -448,7 +452,6 @@ class StepGraphs:
         }
         # the final norm on the rows the loss reads only (row-wise: the same values); their
         # padding is distinct rows where the capacity has enough (`_pad_distinct`)
-        x = permute_rows(e, inverse, v["dest"])
         z = model.stack(x, seq, rows=v["loss_a"], distinct=s.loss_rows <= cap)
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":

@@ -1,7 +1,7 @@
-"""What the step graph's lookup of the small tables (contextual and action, read as one) costs
-on the device, forward and backward, in the ways it can be written.
+"""What the step graph's embedding input costs on the device, forward and backward, in the
+ways it can be written: the small tables' lookup alone, then the whole layer input.
 
-    python scripts/small_tables_timing.py [--capacity 12288] [--rows 32] [--items 5000]
+    python scripts/embed_timing.py [--capacity 12288] [--rows 32] [--items 5000]
 
 The step graph (hstu/torch_backend/step_graphs.py) reads the contextual and action tables as
 one `[C + A, D]` fp32 table at every position of the token capacity: contextual and action
@@ -13,9 +13,13 @@ Variants, each forward + backward of `where(mask, lookup(ids, table).to(bf16), 0
 * `embedding int32`: the same with int32 ids (the sort's keys half as wide);
 * `index_select`: `index_select`, whose backward adds every row atomically (`index_add`).
 
+Then the whole input, from the item rows and the small tables to the stack's bf16 rows in
+token order: the torch ops (`embed_tokens_reference`: a gather, two casts, a select and the
+permutation each way) against `hstu_kernels.triton.embed_tokens` (one kernel each way).
+
 bench_upstream at batch 32 has ~12K tokens a step, 4 contextual tokens a sample and ~5K
 events (action tokens). Times: CUDA-graph replays (`hstu_kernels.triton.bench.graph_time_ms`),
-device ms per call. Prints one table.
+device ms per call. Prints two tables.
 """
 
 from __future__ import annotations
@@ -71,6 +75,26 @@ def main(argv=None) -> None:
         want = got if want is None else want
         same = "same bits" if torch.equal(got, want) else f"max diff {(got - want).abs().max():.2e}"
         print(f"{name:<18} {graph_time_ms(step, args.calls, args.rounds):10.4f}  {same}")
+
+    from hstu_kernels.triton.embed_tokens import embed_tokens, embed_tokens_reference
+
+    rows = torch.randn(cap, args.dim, device=dev, generator=gen).requires_grad_()
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(cap, device=dev)
+    flags = mask[:, 0]
+    print(f"\n{'layer input':<18} {'fwd+bwd ms':>10}  x and both gradients")
+    want = None
+    for name, fn in (("torch ops", embed_tokens_reference), ("embed_tokens", embed_tokens)):
+
+        def whole(fn=fn):
+            x = fn(rows, table, ids32, flags, perm, inv, torch.bfloat16)
+            return x, *torch.autograd.grad(x, (rows, table), grad)
+
+        got = whole()
+        want = got if want is None else want
+        same = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        ms = graph_time_ms(whole, args.calls, args.rounds)
+        print(f"{name:<18} {ms:10.4f}  {'same bits' if same else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":
