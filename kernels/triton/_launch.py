@@ -285,17 +285,16 @@ def shared_schedules():
     sequence offsets (the same tensor, unchanged), rows and block: the layers of a step share
     one offsets tensor, so a step builds three tables (forward, dq, dk / dv) instead of three a
     layer. Wrap one step's forward and backward (or their capture into a CUDA graph, whose
-    replays run the one recorded table kernel each step); the tables are dropped on exit.
-    Not reentrant: an inner use keeps the outer one's tables."""
+    replays run the one recorded table kernel each step); the tables are dropped on exit, and
+    whenever a CUDA graph capture starts or ends in between (a graph must not read a table its
+    replays do not rebuild; one capture per context, as the step graphs make them). A nested
+    use has tables of its own."""
     global _SHARED
-    if _SHARED is not None:
-        yield
-        return
-    _SHARED = {}
+    outer, _SHARED = _SHARED, {}
     try:
         yield
     finally:
-        _SHARED = None
+        _SHARED = outer
 
 
 def _schedule(
@@ -309,6 +308,12 @@ def _schedule(
     # the entry holds the tensor, so that memory is not another tensor's while it lives
     where = (so.device, so.data_ptr(), so.numel(), so._version)
     key = (*where, T, max_seqlen, block, key_major, on_device)
+    # a capture starting or ending drops what was built before it (those tables' kernels
+    # are outside the graph, or in one that is done)
+    capturing = so.is_cuda and torch.cuda.is_current_stream_capturing()
+    if shared.get("capturing", capturing) != capturing:
+        shared.clear()
+    shared["capturing"] = capturing
     if key not in shared:
         shared[key] = (so, _build_schedule(so, T, H, max_seqlen, block, key_major, on_device))
     _, table, G = shared[key][1]
