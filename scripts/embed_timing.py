@@ -88,7 +88,9 @@ def main(argv=None) -> None:
 
         def whole(fn=fn):
             x = fn(rows, table, ids32, flags, perm, inv, torch.bfloat16)
-            return x, *torch.autograd.grad(x, (rows, table), grad)
+            # x detached: a result holding its graph keeps autograd's nodes of the leaves
+            # alive into the next capture, whose backward then waits on the legacy stream
+            return x.detach(), *torch.autograd.grad(x, (rows, table), grad)
 
         got = whole()
         want = got if want is None else want
