@@ -164,6 +164,22 @@ def test_permute_rows_is_index_select_with_a_gather_for_its_gradient(dtype):
     assert not any("index_add" in n for n in ops.names), ops.names
 
 
+def _eager_grads_and_adds(task: str) -> tuple[dict, int]:
+    """One eager step's parameter gradients and the `index_add`s its backward ran."""
+    model, batch = _model_and_batch(task)
+    loss, _ = model(batch.strip_padding(), 100)
+    with _Ops() as ops:
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return grads, ops.names.count("index_add")
+
+
+def _assert_same_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and got
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, differ
+
+
 @pytest.mark.parametrize("task", ["retrieval", "ranking"])
 def test_the_eager_step_differentiates_the_tokens_placement_by_a_gather(task, monkeypatch):
     """`model.sequence` (the eager path, e.g. with TorchRec-sharded tables) places the looked-up
@@ -171,21 +187,10 @@ def test_the_eager_step_differentiates_the_tokens_placement_by_a_gather(task, mo
     `index_add` (the placement's backward) fewer."""
     import hstu.torch_backend.model as model_module
 
-    def run():
-        model, batch = _model_and_batch(task)
-        loss, _ = model(batch.strip_padding(), 100)
-        with _Ops() as ops:
-            loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        return grads, ops.names.count("index_add")
-
-    got, got_adds = run()
+    got, got_adds = _eager_grads_and_adds(task)
     monkeypatch.setattr(model_module, "permute_rows", lambda x, perm, inv: x.index_select(0, perm))
-    want, want_adds = run()
-    assert got.keys() == want.keys() and got
-    assert all(torch.equal(got[n], want[n]) for n in want), [
-        n for n in want if not torch.equal(got[n], want[n])
-    ]
+    want, want_adds = _eager_grads_and_adds(task)
+    _assert_same_grads(got, want)
     assert got_adds == want_adds - 1, (got_adds, want_adds)
 
 
@@ -217,19 +222,8 @@ def test_the_eager_step_writes_the_loss_rows_gradient(task, monkeypatch):
     (their backward) fewer."""
     import hstu.torch_backend.model as model_module
 
-    def run():
-        model, batch = _model_and_batch(task)
-        loss, _ = model(batch.strip_padding(), 100)
-        with _Ops() as ops:
-            loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        return grads, ops.names.count("index_add")
-
-    got, got_adds = run()
+    got, got_adds = _eager_grads_and_adds(task)
     monkeypatch.setattr(model_module, "select_distinct_rows", lambda x, i: x.index_select(0, i))
-    want, want_adds = run()
-    assert got.keys() == want.keys() and got
-    assert all(torch.equal(got[n], want[n]) for n in want), [
-        n for n in want if not torch.equal(got[n], want[n])
-    ]
+    want, want_adds = _eager_grads_and_adds(task)
+    _assert_same_grads(got, want)
     assert got_adds == want_adds - 2, (got_adds, want_adds)
