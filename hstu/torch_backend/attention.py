@@ -68,13 +68,14 @@ def get_uvqk_attention(
     return functools.partial(op, backward=backward)
 
 
-def shared_schedules(name: str) -> contextlib.AbstractContextManager:
-    """Around one step's forward and backward (or their capture into a CUDA graph): for
+def shared_schedules(name: str, share: bool = True) -> contextlib.AbstractContextManager:
+    """Around one step's forward and backward (or their capture into one CUDA graph): for
     `model.attention` = kernel, the kernels' schedule tables built once per step and shared by
     the layers (`hstu_kernels.triton.shared_schedules`: 3 table launches a step instead of 3
-    a layer); a no-op for the reference."""
+    a layer); `share=False`: none shared inside, as around separate forward and backward
+    captures; a no-op for the reference."""
     if name != "kernel":
         return contextlib.nullcontext()
     from hstu_kernels.triton import shared_schedules as shared
 
-    return shared()
+    return shared(share)

@@ -38,6 +38,7 @@ from torch import nn
 
 from hstu.capacity import CapacityPolicy
 from hstu.errors import HSTUError
+from hstu.torch_backend.attention import shared_schedules
 from hstu.torch_backend.model import run_stack
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ class GraphedStack:
         # the first batch of this shape is the capture's sample: real lengths, so the warm-up
         # runs the kernels on valid offsets (its gradients are discarded)
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        return torch.cuda.make_graphed_callables(
-            stack, sample, num_warmup_iters=self.warmup, pool=self.pool
-        )
+        # forward and backward are captured as two graphs: the backward's attention must not
+        # read a schedule table the forward's graph built (`shared_schedules`)
+        with shared_schedules(self.model.cfg.attention, share=False):
+            return torch.cuda.make_graphed_callables(
+                stack, sample, num_warmup_iters=self.warmup, pool=self.pool
+            )

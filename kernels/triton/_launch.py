@@ -280,7 +280,7 @@ _SHARED: dict | None = None
 
 
 @contextlib.contextmanager
-def shared_schedules():
+def shared_schedules(share: bool = True):
     """Inside, each schedule table is built once and reused by every launch with the same
     sequence offsets (the same tensor, unchanged), rows and block: the layers of a step share
     one offsets tensor, so a step builds three tables (forward, dq, dk / dv) instead of three a
@@ -288,9 +288,11 @@ def shared_schedules():
     replays run the one recorded table kernel each step); the tables are dropped on exit, and
     whenever a CUDA graph capture starts or ends in between (a graph must not read a table its
     replays do not rebuild; one capture per context, as the step graphs make them). A nested
-    use has tables of its own."""
+    use has tables of its own; `share=False`: none shared inside (each launch builds its own),
+    e.g. around a forward graph and a backward graph captured one after the other, where the
+    second must not read a table of the first."""
     global _SHARED
-    outer, _SHARED = _SHARED, {}
+    outer, _SHARED = _SHARED, ({} if share else None)
     try:
         yield
     finally:

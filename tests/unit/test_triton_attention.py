@@ -944,6 +944,11 @@ def test_shared_schedules_build_each_table_once_per_step(mode, monkeypatch):
         so.add_(0)  # a write: its version moves on
         two_layers()
         assert len(built) == 2 * kinds
+        with hstu_attention_module.shared_schedules(share=False):  # e.g. two captures
+            two_layers()
+        assert len(built) == 2 * kinds + 6
+        two_layers()  # the outer context's tables again
+        assert len(built) == 2 * kinds + 6
     assert _launch._SHARED is None
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for g, w in zip(got[1], want[1], strict=True):
