@@ -99,8 +99,10 @@ class ModelConfig:
         "auto",
         "torch kernel: the Triton attention backward, split (a dk/dv and a dq kernel; "
         "deterministic) | fused (one kernel, dq added with fp32 atomics: 5 matmuls per tile "
-        "pair instead of 7, sums in a run-dependent order) | auto (the kernels' choice per "
-        "head dim); jax: no effect (its Pallas backward is split)",
+        "pair instead of 7, sums in a run-dependent order) | stored (the dk/dv kernel stores dS "
+        "in 16 bits, dq is one matmul per tile pair from it: 5 instead of 7, deterministic, a "
+        "transient [heads, rows, max_seqlen] buffer) | auto (the kernels' choice per head dim); "
+        "jax: no effect (its Pallas backward is split)",
     )
     task: str = _opt("ranking", "ranking (multi-task BCE on candidates) | retrieval")
     num_tasks: int = _opt(2, "ranking tasks, encoded as the bits of each candidate's label")
@@ -119,7 +121,9 @@ class ModelConfig:
             _check(math.isfinite(self.alpha), p + "alpha", self.alpha, "must be finite")
         _one_of(p + "attention", self.attention, ("reference", "kernel", "triton", "pallas"))
         _one_of(p + "pallas_lowering", self.pallas_lowering, ("triton", "mosaic", "auto"))
-        _one_of(p + "attention_backward", self.attention_backward, ("auto", "split", "fused"))
+        _one_of(
+            p + "attention_backward", self.attention_backward, ("auto", "split", "fused", "stored")
+        )
         _one_of(p + "task", self.task, ("ranking", "retrieval"))
         _one_of(p + "dtype", self.dtype, ("float32", "bfloat16", "float16"))
 

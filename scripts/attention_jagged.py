@@ -9,7 +9,8 @@
                                       by head; the others keep their default)
         [--equal 8x4096 16x1024 ...] (the equal-length batches timed after the recipe's)
         [--no-recipe]                (the equal-length batches only)
-        [--backward split|fused]     (torch: two backward kernels, or one with dq atomics)
+        [--backward split|fused|stored] (torch: two backward kernels, one with dq atomics, or
+                                      two with dS stored by the first for the second's dq)
         [--tiles dkdv=32,64,8,2 ...] (torch: a kernel's tiles, m,n,warps,stages; jax with
                                       mosaic: block_kv,stages, e.g. fwd=32,3; the others keep
                                       their defaults)
@@ -76,10 +77,11 @@ def _graph_timer(calls: int, rounds: int):
     return lambda fn: graph_time_ms(fn, calls, rounds)
 
 
-def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None):
+def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None, backward: str | None = None):
     """The (forward, dk/dv, dq) BlockSizes: ``tiles`` (kernel -> (m, n, warps, stages)) over
-    the defaults for ``dim``, with ``lead`` (kernel -> launch order, ``BlockSizes.lead``) set;
-    None when both are empty (the kernels' own choice)."""
+    the defaults for ``dim`` (``backward``'s: "stored"'s dq kernel has its own), with ``lead``
+    (kernel -> launch order, ``BlockSizes.lead``) set; None when both are empty (the kernels'
+    own choice)."""
     lead = lead or {}
     if not tiles and not lead:
         return None
@@ -88,9 +90,11 @@ def _torch_tiles(tiles: dict, dim: int, lead: dict | None = None):
     from hstu_kernels.triton import BlockSizes
     from hstu_kernels.triton._launch import default_block_sizes
 
+    slot = {"dq": "dq_stored"} if backward == "stored" else {}
     return tuple(
         dataclasses.replace(
-            BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, k), lead=lead.get(k)
+            BlockSizes(*tiles[k]) if k in tiles else default_block_sizes(dim, slot.get(k, k)),
+            lead=lead.get(k),
         )
         for k in ("fwd", "dkdv", "dq")
     )
@@ -135,7 +139,7 @@ def _torch_case(
     if backward is not None:  # absent: the kernels' default (and a tree without the option)
         kw["backward"] = backward
     if tiles or lead:
-        kw["block_sizes"] = _torch_tiles(tiles, dim, lead)
+        kw["block_sizes"] = _torch_tiles(tiles, dim, lead, backward)
 
     def fwd():
         with torch.no_grad():
@@ -169,6 +173,7 @@ def _triton_resources():
         _launch._hstu_fwd_kernel,
         _launch._hstu_bwd_dkdv_kernel,
         _launch._hstu_bwd_dq_kernel,
+        _launch._hstu_bwd_dq_stored_kernel,
     ):
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache
@@ -308,7 +313,7 @@ def main(argv=None) -> None:
                     help="per-kernel device time of these cases (none named: all)")  # fmt: skip
     ap.add_argument("--lowering", choices=["triton", "mosaic"], default="triton",
                     help="jax: the forward / dq kernels' Pallas lowering")  # fmt: skip
-    ap.add_argument("--backward", choices=["split", "fused"], default=None,
+    ap.add_argument("--backward", choices=["split", "fused", "stored"], default=None,
                     help="torch: the backward kernels (default: the kernels' choice)")  # fmt: skip
     ap.add_argument("--tiles", nargs="*", default=[],
                     help="torch: KERNEL=m,n,warps,stages for fwd / dkdv / dq; jax mosaic: "

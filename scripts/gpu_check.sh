@@ -274,13 +274,20 @@ print('torchrec', torchrec.__version__)" ;;
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
     bwd)
-      # torch attention backward, split (dk/dv + dq kernels) against fused (one kernel, dq by
-      # atomic adds), alternating in one call: scripts/attention_jagged.py at $BWD_DIMS
+      # torch attention backward modes ($BWD_MODES: split, the dk/dv + dq kernels; fused, one
+      # kernel adding dq atomically; stored, dq from the dS the dk/dv kernel stored; a mode
+      # written MODE:KERNEL=m,n,warps,stages[;...] runs with those tiles), alternating in one
+      # call: scripts/attention_jagged.py at $BWD_DIMS
       for dim in ${BWD_DIMS:-256 128}; do
-        for round in 1 2; do
-          for mode in split fused; do
-            run "bwd_${dim}_${mode}_$round" python scripts/attention_jagged.py --backend torch \
-              --dim $dim --backward $mode ${BWD_ARGS:-}
+        for round in $(seq ${BWD_ROUNDS:-2}); do
+          for spec in ${BWD_MODES:-split stored}; do
+            mode=${spec%%:*}; tiles=(); tag=$mode
+            if [ "$spec" != "$mode" ]; then
+              IFS=';' read -ra tiles <<< "${spec#*:}"; tag=$(echo "$spec" | tr ':;=,' '____')
+              tiles=(--tiles "${tiles[@]}")
+            fi
+            run "bwd_${dim}_${tag}_$round" python scripts/attention_jagged.py --backend torch \
+              --dim $dim --backward $mode "${tiles[@]}" ${BWD_ARGS:-}
           done
         done
       done ;;

@@ -20,6 +20,7 @@ from ._common import (
     _reduce_max,
     _reduce_min,
     _reduce_sum,
+    _rows_desc,
     _sample_info,
     _sample_sources,
     _sigmoid,
@@ -34,12 +35,12 @@ from ._common import (
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, Ts, RabPos, RabTime, seq_start,
-    stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha, inv_norm,
+    dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Q, DO, DQacc, DS, Ts, RabPos, RabTime, seq_start,
+    stride_qt, stride_dot, stride_dqt, stride_dst, n, hist_end, C, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_CTX: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
-    FUSED: tl.constexpr, TMA: tl.constexpr,
+    FUSED: tl.constexpr, STORE_DS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # transposed orientation: rows are keys, columns are queries
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -65,6 +66,16 @@ def _dkdv_tile(
     dv += _dot(p_t.to(do.dtype), do, PREC)
     ds_t = dz_t.to(q.dtype)
     dk += _dot(ds_t, q, PREC)
+    if STORE_DS:
+        # key-major rows of dS (``DS`` pre-offset to the head and the sample's first key row;
+        # a key's row holds its queries by their index in the sample), stored as the
+        # accumulator's layout holds them: the dq kernel of "stored" reads them back
+        in_n = offs_n < n
+        tl.store(
+            DS + offs_n[:, None].to(tl.int64) * stride_dst + offs_m[None, :],
+            ds_t,
+            mask=in_n[:, None] & in_m[None, :],
+        )
     if FUSED:
         # this tile's share of dq = dS K ([BLOCK_M, D] fp32; dz_t is 0 where masked), added to
         # the fp32 accumulator: query rows past the sample are never written
@@ -88,19 +99,21 @@ def _atomic_add_rows(Ptr, rows, in_rows, stride, val, D: tl.constexpr, BLOCK_D: 
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, DK, DVout, DQacc, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts,
-    TsRange, RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DQacc, DS, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand,
+    Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_rp, stride_rt, stride_dqt, stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, stride_dqt, stride_dqh, stride_dsh, stride_dst, Sched, G, Lead, H, P,
+    TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, OUT_LIKE_IN: tl.constexpr,
-    TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, FUSED: tl.constexpr, STORE_DS: tl.constexpr,
+    OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
 ):  # fmt: skip
     """One key block of one sample and head: dk / dv over the query blocks that can see it,
-    and with FUSED each tile's dq share added into ``DQacc`` (fp32). ``TMA``: q, k, v and dO
+    and with FUSED each tile's dq share added into ``DQacc`` (fp32), with STORE_DS each tile's
+    dS stored into ``DS [H, T, W]`` (bf16 / fp16; ``_dkdv_tile``). ``TMA``: q, k, v and dO
     read through descriptors over the sample's rows (``_rows_desc``), else pointer tiles.
     ``SILU``: k and v are ``silu(PreK)``, ``silu(PreV)`` (laid out as K, V): dk and dv are
     stored as the gradients of the pre-activations, their column sums as the program's rows
@@ -130,6 +143,8 @@ def _dkdv_program(
         RabTime += h * stride_rt
         if FUSED:
             DQacc += h * stride_dqh
+        if STORE_DS:
+            DS += h.to(tl.int64) * stride_dsh + seq_start.to(tl.int64) * stride_dst
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows_n = seq_start + offs_n
         in_n = offs_n < n
@@ -151,10 +166,10 @@ def _dkdv_program(
         for it in range(0, n_a + n_b):
             start_m = _block_start(it, 0, n_a, fs, n_b, 0, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
-                seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
-                inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, False, FUSED, TMA,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, DS, Ts, RabPos,
+                RabTime, seq_start, stride_qt, stride_dot, stride_dqt, stride_dst, n, hist_end, C,
+                P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS,
+                HAS_TIME, PREC, FAST, False, FUSED, STORE_DS, TMA,
             )  # fmt: skip
         # masked: [cfull, chi), [lo, fs) around the diagonal and the tail [fe, hi)
         n_a = _num_blocks(cfull, chi, BLOCK_M)
@@ -163,10 +178,10 @@ def _dkdv_program(
         for it in range(0, n_a + n_b + n_c):
             start_m = _block_start(it, cfull, n_a, lo, n_b, fe, BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, Ts, RabPos, RabTime,
-                seq_start, stride_qt, stride_dot, stride_dqt, n, hist_end, C, P, TB, alpha,
-                inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS, HAS_TIME,
-                PREC, FAST, True, FUSED, TMA,
+                dk, dv, k, v, offs_n, ts_k, ts_lo, start_m, Qs, DOs, DQacc, DS, Ts, RabPos,
+                RabTime, seq_start, stride_qt, stride_dot, stride_dqt, stride_dst, n, hist_end, C,
+                P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, HAS_CTX, HAS_POS,
+                HAS_TIME, PREC, FAST, True, FUSED, STORE_DS, TMA,
             )  # fmt: skip
         if SILU:
             j, _ = _entry(tl.program_id(0), H, G, Lead)
@@ -187,25 +202,27 @@ def _dkdv_program(
 
 @triton.jit
 def _hstu_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DVout, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
-    RabPos, RabTime,
+    Q, K, V, DO, DK, DVout, DS, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts,
+    TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, stride_dsh, stride_dst, Sched, G, Lead, H, P, TB, alpha, inv_norm,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
-    SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+    SILU: tl.constexpr, SILU_TMA: tl.constexpr, STORE_DS: tl.constexpr,
 ):  # fmt: skip
-    """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``)."""
+    """Split backward: dk / dv per key block (dq by ``_hstu_bwd_dq_kernel``); with
+    ``STORE_DS`` ("stored") also dS into ``DS`` (dq then by ``_hstu_bwd_dq_stored_kernel``)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DK, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand, Ts,
-        TsRange, RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DK, DS, PreK, PreV, BPartK, BPartV, SeqOffsets, NumCtx, NumCand,
+        Ts, TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, Sched, G,
-        Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX,
-        HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, OUT_LIKE_IN, TMA, SILU, SILU_TMA,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, 0, 0, stride_dsh,
+        stride_dst, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC, FAST, False, STORE_DS,
+        OUT_LIKE_IN, TMA, SILU, SILU_TMA,
     )  # fmt: skip
 
 
@@ -224,13 +241,13 @@ def _hstu_bwd_fused_kernel(
     ``dS K`` atomically added into the zeroed fp32 ``DQacc`` ``[T, H, DQK]`` (unscaled: the
     launch multiplies by alpha). No bias-table gradients (the launch uses split for those)."""
     _dkdv_program(
-        Q, K, V, DO, DK, DVout, DQacc, K, V, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts, TsRange,
-        RabPos, RabTime,
+        Q, K, V, DO, DK, DVout, DQacc, DQacc, K, V, DK, DVout, SeqOffsets, NumCtx, NumCand, Ts,
+        TsRange, RabPos, RabTime,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_rp, stride_rt, stride_dqt,
-        stride_dqh, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK,
+        stride_dqh, 0, 0, Sched, G, Lead, H, P, TB, alpha, inv_norm, DQK,
         DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_CTX, HAS_CAND, HAS_POS, HAS_TIME, PREC,
-        FAST, True, OUT_LIKE_IN, TMA, False, False,
+        FAST, True, False, OUT_LIKE_IN, TMA, False, False,
     )  # fmt: skip
 
 
@@ -429,3 +446,89 @@ def _hstu_bwd_dq_kernel(
             if TIME_GRAD == 2:
                 dtime = tl.reduce(dtime, 0, _add)
             tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")
+
+
+@triton.jit
+def _dq_stored_tile(
+    dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n, hist_end, C,
+    DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CTX: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    in_n = offs_n < n
+    k = _load_tile(Ks, start_n, seq_start + offs_n, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
+    # dS^T: the keys' rows, the block's queries (``_dkdv_tile`` stored it so)
+    if TMA:
+        ds_t = DSs.load([start_n, m0])  # rows / columns past n read as zeros
+    else:
+        ds_t = tl.load(
+            DSs + offs_n[:, None].to(tl.int64) * stride_dst + offs_m[None, :],
+            mask=in_n[:, None] & in_m[None, :],
+            other=0.0,
+        )
+    if MASKED:
+        # where the dk/dv kernel stored nothing (pairs it skipped, all masked) the buffer
+        # holds anything, NaN included: select, do not multiply
+        ds_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], n, hist_end, C, HAS_CTX),
+                        ds_t, 0.0)  # fmt: skip
+    dq += _dot(tl.trans(ds_t), k, PREC)
+    return dq
+
+
+@triton.jit
+def _hstu_bwd_dq_stored_kernel(
+    Q, K, DS, DQ, PreQ, BPart, SeqOffsets, NumCtx, NumCand,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_dqt, stride_dqh, stride_dsh, stride_dst,
+    Sched, G, Lead, H, alpha,
+    DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, PREC: tl.constexpr,
+    OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+):  # fmt: skip
+    """dq per query block from the dS the dk/dv kernel stored (``STORE_DS``): ``dq = alpha dS
+    K``, one matmul per tile pair instead of the split dq kernel's three (no scores, no dP, no
+    SiLU recomputed). The same blocks and masks as ``_hstu_bwd_dq_kernel``; no bias-table
+    gradients ("stored" runs split where one is needed). ``SILU`` / ``SILU_TMA`` as there."""
+    m_blk, h, seq_start, n, C, hist_end = _sample_info(
+        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+    )
+    m0 = m_blk * BLOCK_M
+    if m0 < n:
+        if OUT_LIKE_IN:
+            stride_dqt, stride_dqh = stride_qt, stride_qh
+        K += h * stride_kh
+        DQ += h * stride_dqh
+        DS += h.to(tl.int64) * stride_dsh + seq_start.to(tl.int64) * stride_dst
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        rows_m = seq_start + offs_m
+        in_m = offs_m < n
+        if TMA:
+            Ks = _rows_desc(K, seq_start, n, stride_kt, DQK, BLOCK_N, BLOCK_DQK)
+            DSs = tl.make_tensor_descriptor(
+                DS, shape=[n, n], strides=[stride_dst, 1], block_shape=[BLOCK_N, BLOCK_M]
+            )
+        else:
+            Ks, DSs = K, DS
+        dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
+        full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
+        for start_n in range(0, full, BLOCK_N):
+            dq = _dq_stored_tile(
+                dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n,
+                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, False, TMA,
+            )  # fmt: skip
+        n_a = _num_blocks(full, hi1, BLOCK_N)
+        n_b = _num_blocks(lo2, hi2, BLOCK_N)
+        for it in range(0, n_a + n_b):
+            start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
+            dq = _dq_stored_tile(
+                dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n,
+                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, True, TMA,
+            )  # fmt: skip
+        if SILU:
+            j, _ = _entry(tl.program_id(0), H, G, Lead)
+            _silu_store_rows(
+                DQ, dq * alpha, PreQ + h * stride_qh, rows_m, in_m, stride_dqt, stride_qt,
+                BPart + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, m0, DQK, BLOCK_DQK,
+                SILU_TMA,
+            )  # fmt: skip
+        else:
+            _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)

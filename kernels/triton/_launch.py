@@ -12,7 +12,12 @@ import triton
 
 from ..schedule import pairs, schedule
 from ..tiles import KERNELS, launch_lead
-from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
+from ._backward import (
+    _hstu_bwd_dkdv_kernel,
+    _hstu_bwd_dq_kernel,
+    _hstu_bwd_dq_stored_kernel,
+    _hstu_bwd_fused_kernel,
+)
 from ._common import _schedule_kernel, _time_range_kernel, _zero_tail_kernel
 from ._forward import _hstu_fwd_kernel
 
@@ -65,10 +70,16 @@ INTERPRET_BLOCK_SIZES = BlockSizes(16, 16, 1, 1)
 
 
 # the backward modes (``hstu_attention(..., backward=)``): "split" runs the dk/dv and the dq
-# kernels (deterministic), "fused" one key-major kernel that also adds dq atomically in fp32
-BACKWARDS = ("split", "fused")
-# kernels with tiles of their own: the three of the split path (``KERNELS``) and the fused one
-TILE_KERNELS = (*KERNELS, "fused")
+# kernels (deterministic), "fused" one key-major kernel that also adds dq atomically in fp32,
+# "stored" the dk/dv kernel storing dS (16-bit) and a dq kernel that reads it (deterministic)
+BACKWARDS = ("split", "fused", "stored")
+# kernels with tiles of their own: the three of the split path (``KERNELS``), the fused one
+# and the dq kernel of "stored"
+TILE_KERNELS = (*KERNELS, "fused", "dq_stored")
+# "stored" keeps dS as ``[H, T, W]`` in the inputs' dtype, W = max_seqlen rounded up to 64 (a
+# sample's key rows hold its queries; only the pairs its tiles visit are written): it runs
+# "split" where that buffer would pass this many bytes
+STORED_DS_MAX_BYTES = 4 << 30
 
 
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
@@ -83,11 +94,13 @@ TILE_KERNELS = (*KERNELS, "fused")
 _TUNED = {
     64: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 64, 4, 2),
          "dq": BlockSizes(64, 64, 4, 2),  # not swept yet: the D=128 tiles of the last round
-         "fused": BlockSizes(64, 64, 4, 2)},
+         "fused": BlockSizes(64, 64, 4, 2), "dq_stored": BlockSizes(64, 64, 4, 3)},
     128: {"fwd": BlockSizes(64, 32, 4, 3), "dkdv": BlockSizes(32, 64, 4, 2),
-          "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(64, 128, 8, 2)},
+          "dq": BlockSizes(64, 64, 4, 2), "fused": BlockSizes(64, 128, 8, 2),
+          "dq_stored": BlockSizes(64, 64, 4, 3)},
     256: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 32, 4, 2),
-          "dq": BlockSizes(64, 32, 4, 3), "fused": BlockSizes(32, 64, 8, 2)},
+          "dq": BlockSizes(64, 32, 4, 3), "fused": BlockSizes(32, 64, 8, 2),
+          "dq_stored": BlockSizes(64, 64, 4, 3)},
 }  # fmt: skip
 # backward mode per head dim for 16-bit inputs on CUDA: "split" until "fused" is timed on a GPU
 # (a first probe, one H100, backward alone, the fused tiles above: on the bench_upstream-like
@@ -348,6 +361,25 @@ def _build_schedule(
     return (G * H,), table, G
 
 
+def _ds_width(max_seqlen: int) -> int:
+    """The row width of "stored"'s dS buffer: ``max_seqlen`` rounded up to 64 (128-byte rows
+    for 16-bit dS, so its tiles can be read through descriptors)."""
+    return triton.cdiv(max(max_seqlen, 1), 64) * 64
+
+
+def stored_ds_bytes(T: int, H: int, max_seqlen: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of the dS buffer the "stored" backward allocates for ``T`` rows, ``H`` heads and
+    samples of at most ``max_seqlen`` tokens (``[H, T, W]``, ``_ds_width``): it bounds the
+    pairs of any batch of those rows, since a sample's n rows hold n * n <= n * max_seqlen."""
+    return H * T * _ds_width(max_seqlen) * torch.empty((), dtype=dtype).element_size()
+
+
+def _ds_buffer(H: int, T: int, max_seqlen: int, like: torch.Tensor) -> torch.Tensor:
+    """The uninitialised dS buffer of "stored" (the dq kernel reads only what the dk/dv kernel
+    wrote, and masks the rest: tests fill it with NaN)."""
+    return torch.empty((H, T, _ds_width(max_seqlen)), dtype=like.dtype, device=like.device)
+
+
 def _zero_tail(x: torch.Tensor, so: torch.Tensor) -> None:
     """Zero the rows of ``x [T, H, D]`` past the last sample (``so[-1]``): the capacity
     padding, which no attention program writes. On the device without a host sync (CUDA
@@ -466,23 +498,27 @@ def _bwd_impl(
     grad_out, q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_, rp_, rt_,
     need_rp, need_rt, bs, backward="split", out=None, silu=None,
 ):  # fmt: skip
-    """``bs``: the (dk/dv, dq) kernels' BlockSizes; ``backward``: "split" or "fused" (the dk/dv
-    tiles, one launch, dq added atomically into an fp32 buffer). "fused" runs split where a
-    bias-table gradient is needed: the dq kernel reduces those. ``out``: None, or the
+    """``bs``: the (dk/dv, dq) kernels' BlockSizes; ``backward``: "split", "fused" (the dk/dv
+    tiles, one launch, dq added atomically into an fp32 buffer) or "stored" (the dk/dv kernel
+    stores dS, the dq kernel of ``bs[1]``'s tiles reads it: ``stored_ds_bytes``). "fused" and
+    "stored" run split where a bias-table gradient is needed: the dq kernel reduces those;
+    "stored" also where its buffer would pass ``STORED_DS_MAX_BYTES``. ``out``: None, or the
     (dq, dk, dv) tensors to write, any row / head strides (columns of one buffer: the caller
     then needs no concatenation); returned as given.
 
     ``silu``: None, or ``(pre_q, pre_k, pre_v)`` with q, k, v = silu of them, each laid out
     as its activation (same strides): the kernels then write the pre-activations' gradients
-    (SiLU's backward in their epilogues, split backward only) and the bias gradient's column
-    sums per program, returned sixth as fp32 ``(part_q [Gq, H Dqk], part_k [Gkv, H Dqk],
+    (SiLU's backward in their epilogues, split and stored backward only) and the bias
+    gradient's column sums per program, returned sixth as fp32 ``(part_q [Gq, H Dqk], part_k [Gkv, H Dqk],
     part_v [Gkv, H Dv])``: each column's sum over the rows of its part is that column's bias
     gradient (``linear_silu.sum_partials``)."""
     dkdv_bs, dq_bs = bs
     check_backward(backward)
     if silu is not None:
-        if backward != "split":
-            raise ValueError(f"silu's backward runs in the split kernels only, got {backward!r}")
+        if backward == "fused":
+            raise ValueError(
+                "silu's backward runs in the split and stored kernels only, got 'fused'"
+            )
         for name, x, pre in zip("qkv", (q, k, v), silu, strict=True):
             if pre.shape != x.shape or pre.stride() != x.stride() or pre.dtype != x.dtype:
                 raise ValueError(
@@ -496,6 +532,11 @@ def _bwd_impl(
     dq_out, dk, dv = (_outputs(x, o) for x, o in zip((q, k, v), out or (None,) * 3, strict=True))
     pos_grad, time_grad = rp_ is not None and need_rp, rt_ is not None and need_rt
     fused = backward == "fused" and not (pos_grad or time_grad)
+    stored = (
+        backward == "stored"
+        and not (pos_grad or time_grad)
+        and stored_ds_bytes(T, H, max_seqlen, q.dtype) <= STORED_DS_MAX_BYTES
+    )
     f32 = dict(device=q.device, dtype=torch.float32)
     # fused: dq accumulates unscaled in fp32 ([T, H, Dqk], contiguous) and is scaled by alpha
     # and cast after the kernel; split: the dq kernel stores it scaled
@@ -538,6 +579,9 @@ def _bwd_impl(
             tma = use_tma("fused" if fused else "dkdv", q, k, v, grad_out)
             if tma:
                 _ensure_allocator()
+            ds = dk  # unread without STORE_DS
+            if stored:
+                ds = _ds_buffer(H, T, max_seqlen, q)
             if fused:
                 for has_time in paths:
                     _hstu_bwd_fused_kernel[grid](
@@ -550,16 +594,34 @@ def _bwd_impl(
             else:
                 for has_time in paths:
                     _hstu_bwd_dkdv_kernel[grid](
-                        q, k, v, grad_out, dk, dv, pre_k, pre_v, part_k, part_v, so, nc, nk,
-                        ts, tsr, rp, rt, *inputs, *dkdv_out, *tables, table, G,
+                        q, k, v, grad_out, dk, dv, ds, pre_k, pre_v, part_k, part_v, so, nc,
+                        nk, ts, tsr, rp, rt, *inputs, *dkdv_out, *tables,
+                        ds.stride(0) if stored else 0, ds.stride(1) if stored else 0, table, G,
                         launch_lead("dkdv", dkdv_bs.lead, G), H, *scalars,
                         OUT_LIKE_IN=dkdv_like, TMA=tma, SILU=silu is not None,
-                        SILU_TMA=silu_tma,
+                        SILU_TMA=silu_tma, STORE_DS=stored,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dkdv_bs),
                     )  # fmt: skip
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
                 if silu is not None:
                     parts[0] = torch.zeros((G, H * q.shape[2]), **f32)
+            if stored:
+                tma = use_tma("dq", q, k, ds)
+                if tma:
+                    _ensure_allocator()
+                meta = _common_meta(q, v, nc_, nk_, rp_, 0, dq_bs)
+                _hstu_bwd_dq_stored_kernel[grid](
+                    q, k, ds, dq, silu[0] if silu is not None else q,
+                    parts[0] if silu is not None else dq, so, nc, nk,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), dq.stride(0),
+                    dq.stride(1), ds.stride(0), ds.stride(1), table, G,
+                    launch_lead("dq", dq_bs.lead, G), H, float(alpha),
+                    DQK=meta["DQK"], BLOCK_DQK=meta["BLOCK_DQK"], BLOCK_M=dq_bs.block_m,
+                    BLOCK_N=dq_bs.block_n, HAS_CTX=meta["HAS_CTX"], HAS_CAND=meta["HAS_CAND"],
+                    PREC=meta["PREC"], OUT_LIKE_IN=dq_like, TMA=tma, SILU=silu is not None,
+                    SILU_TMA=silu_tma, num_warps=dq_bs.num_warps, num_stages=dq_bs.num_stages,
+                )  # fmt: skip
+            elif not fused:
                 pos_mode, time_mode = _table_grad_modes(
                     pos_grad, time_grad, q.shape[2], P, max_seqlen
                 )

@@ -7,7 +7,7 @@ Design
 * Forward: one program per (query block, sample, head); the query tile stays in registers and
   the program walks the key blocks of its sample, accumulating ``silu(z) @ V`` in fp32.
   There is no softmax, so no running max/denominator is needed.
-* Backward, two modes (``hstu_attention(..., backward=)``; ``None``: ``default_backward`` of
+* Backward, three modes (``hstu_attention(..., backward=)``; ``None``: ``default_backward`` of
   the head dim, "split" everywhere for now).
 * "split": two kernels that recompute the scores (no dq atomics, so dq/dk/dv are
   deterministic).  ``dkdv`` runs one program per (key block, sample, head) and walks the query
@@ -32,6 +32,14 @@ Design
   ``hstu_attention`` picks split when a given table requires grad (with the split tiles), and
   the backward op, asked for "fused", runs split when it must return a table gradient.
   Biases without gradients run fused (they only enter the logits).
+* "stored": the split ``dkdv`` kernel also stores each visited tile's dS (the inputs' 16-bit
+  dtype, key-major rows: a key's row holds its sample's queries) into an ``[H, T, W]`` buffer
+  (W = max_seqlen rounded up to 64; a sample's n rows use n x n of it), and
+  ``_hstu_bwd_dq_stored_kernel`` computes dq = alpha dS K from it: 4 + 1 matmuls per tile pair
+  instead of 4 + 3, no atomics (deterministic), the buffer's write and read instead. Its dq
+  walks the split dq kernel's blocks and applies its mask to what it reads (pairs the dk/dv
+  kernel skipped are never written). Runs "split" where a table gradient is needed, and in
+  ``_bwd_impl`` where the buffer would pass ``STORED_DS_MAX_BYTES``.
 * Block skipping: for a query block ``[m0, m1)`` the keys that can be unmasked are
   ``[0, m1)`` (causal), ``[0, n - K)`` if the block holds a contextual query, and the diagonal
   ``[m0, m1)`` for candidates; key blocks between the history and the diagonal are skipped.
@@ -457,11 +465,12 @@ def _validate(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc, nk, ts, r
 
 
 def _resolve_backward(backward, q, v, rab_pos, rab_time) -> str:
-    """The backward mode to run: ``backward``, or the head dim's default for None; "fused"
-    becomes "split" where a bias table requires grad (the split dq kernel reduces those)."""
+    """The backward mode to run: ``backward``, or the head dim's default for None; "fused" and
+    "stored" become "split" where a bias table requires grad (the split dq kernel reduces
+    those)."""
     dim = max(q.shape[2], v.shape[2])
     mode = default_backward(dim, q.dtype) if backward is None else check_backward(backward)
-    if mode == "fused" and any(t is not None and t.requires_grad for t in (rab_pos, rab_time)):
+    if mode != "split" and any(t is not None and t.requires_grad for t in (rab_pos, rab_time)):
         return "split"
     return mode
 
@@ -470,13 +479,17 @@ def _resolve_blocks(
     block_sizes, q, v, backward: str = "split", table_grads: bool = False
 ) -> tuple[BlockSizes, BlockSizes, BlockSizes]:
     """(forward, dk/dv, dq) tiles; the fused backward runs on the dk/dv slot, whose default is
-    then the fused kernel's; ``table_grads``: a bias table requires grad (the dq kernel's
-    default tiles are then those for reducing its gradient)."""
+    then the fused kernel's, and "stored"'s dq kernel on the dq slot (default its own);
+    ``table_grads``: a bias table requires grad (the dq kernel's default tiles are then those
+    for reducing its gradient)."""
     dim = max(q.shape[2], v.shape[2])
 
     def default(kernel):
-        fused = backward == "fused" and kernel == "dkdv"
-        return default_block_sizes(dim, "fused" if fused else kernel, q.dtype, table_grads)
+        if backward == "fused" and kernel == "dkdv":
+            kernel = "fused"
+        elif backward == "stored" and kernel == "dq":
+            kernel = "dq_stored"
+        return default_block_sizes(dim, kernel, q.dtype, table_grads)
 
     return resolve_tiles(block_sizes, BlockSizes, default)
 
@@ -521,10 +534,11 @@ def hstu_attention(
 
     ``backward``: "split" (a dk/dv and a dq kernel; deterministic), "fused" (one kernel on the
     dk/dv tiles that adds dq atomically in fp32: the summation order, so dq's last bits, may
-    vary from run to run on a GPU) or ``None`` for the head dim's default
-    (``default_backward``: "split" for now). "fused" falls back to "split" when a gradient
-    of ``rab_pos`` / ``rab_time`` is needed (a table that requires grad): the split dq kernel
-    reduces those. Biases without gradients run fused.
+    vary from run to run on a GPU), "stored" (the dk/dv kernel stores dS, 16-bit, in a buffer
+    of ``stored_ds_bytes`` bytes, and dq is one matmul per tile pair from it; deterministic)
+    or ``None`` for the head dim's default (``default_backward``). "fused" and "stored" fall
+    back to "split" when a gradient of ``rab_pos`` / ``rab_time`` is needed (a table that
+    requires grad): the split dq kernel reduces those. Biases without gradients run either.
     """
     args = _op_args(
         q,

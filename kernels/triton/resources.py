@@ -2,11 +2,12 @@
 machine need not have:
 
     python -m hstu_kernels.triton.resources [--dim 256] [--arch 90]
-        [--kernels fwd,dkdv,dq,fused] [--tiles 64,32,4,2 ...]
+        [--kernels fwd,dkdv,dq,fused,dq_stored] [--tiles 64,32,4,2 ...] [--stored]
 
-Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, and ``fused`` (the fused
-backward's one kernel: dk/dv plus dq added atomically into fp32). Each kernel is compiled as
-bench_upstream calls it (bf16, contextual and candidate counts, no biases, fast sigmoid) with
+Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, ``fused`` (the fused
+backward's one kernel: dk/dv plus dq added atomically into fp32) and ``dq_stored`` (the
+"stored" backward's dq from dS; ``--stored``: ``dkdv`` as that backward runs it, storing
+dS). Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate counts, no biases, fast sigmoid) with
 its default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill
 bytes for the PTX. At head dim 256 every kernel sits at the 255-register limit and spills
 (kernels/README.md), so this is how a change to the tiles or to a kernel's code is judged on a
@@ -26,16 +27,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ._backward import _hstu_bwd_dkdv_kernel, _hstu_bwd_dq_kernel, _hstu_bwd_fused_kernel
+from ._backward import (
+    _hstu_bwd_dkdv_kernel,
+    _hstu_bwd_dq_kernel,
+    _hstu_bwd_dq_stored_kernel,
+    _hstu_bwd_fused_kernel,
+)
 from ._forward import _hstu_fwd_kernel
 from ._launch import _TMA_KERNELS, TILE_KERNELS, BlockSizes, _block_d, default_block_sizes
 
 _FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_dq_kernel,
-       "fused": _hstu_bwd_fused_kernel}  # fmt: skip
+       "fused": _hstu_bwd_fused_kernel, "dq_stored": _hstu_bwd_dq_stored_kernel}  # fmt: skip
 # pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
 _POINTERS = {
     **dict.fromkeys(
-        ("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ", "PreQ", "PreK", "PreV"), "*bf16"
+        ("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ", "PreQ", "PreK", "PreV", "DS"), "*bf16"
     ),
     **dict.fromkeys(
         ("SeqOffsets", "Ts", "TsRange", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"
@@ -79,12 +85,14 @@ def resources(
     arch: int = 90,
     tma: bool | None = None,
     silu: bool = False,
+    stored: bool = False,
 ) -> dict:
     """Compile ``kernel`` for head dim ``dim`` with ``tiles`` for sm_``arch``: registers per
     thread, spill store / load bytes per thread, shared memory bytes. ``tma``: the kernel loads
     through tensor descriptors (else pointer tiles); None: as the launch does on Hopper
     (``HSTU_TRITON_TMA``, by default the forward and dq). ``silu``: the backward kernels with
-    SiLU's backward in their epilogues (``_bwd_impl(silu=...)``)."""
+    SiLU's backward in their epilogues (``_bwd_impl(silu=...)``). ``stored``: dkdv storing dS
+    for the "stored" backward's dq kernel (``dq_stored``)."""
     fn = _FN[kernel]
     if tma is None:
         tma = kernel in _TMA_KERNELS
@@ -93,7 +101,7 @@ def resources(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_TB=16, HAS_CTX=True, HAS_CAND=True,
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
         OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
-        TMA=tma, SILU=silu, SILU_TMA=silu,
+        TMA=tma, SILU=silu, SILU_TMA=silu, STORE_DS=stored,
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {
@@ -148,6 +156,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--silu", action="store_true", help="the backward kernels with SiLU's backward in them"
     )
+    ap.add_argument("--stored", action="store_true", help='dkdv storing dS (the "stored" backward)')
     args = ap.parse_args(argv)
     extra = [BlockSizes(*(int(x) for x in t.split(","))) for t in args.tiles]
     print(f"# triton {triton.__version__}, sm_{args.arch}a, head dim {args.dim}, bf16, "
@@ -158,7 +167,8 @@ def main(argv=None) -> None:
         default = default_block_sizes(args.dim, kernel)
         for tiles in [default, *(t for t in extra if t != default)]:
             tma = None if args.loads == "launch" else args.loads == "tma"
-            r = resources(kernel, args.dim, tiles, args.arch, tma, args.silu and kernel != "fwd")
+            r = resources(kernel, args.dim, tiles, args.arch, tma, args.silu and kernel != "fwd",
+                          args.stored and kernel == "dkdv")  # fmt: skip
             tag = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.num_warps,
                                             tiles.num_stages))  # fmt: skip
             tag += " (default)" if tiles == default else ""

@@ -371,6 +371,105 @@ def test_fused_backward_matches_split_and_reference(
             assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
 
 
+# (case, dtype, tiles, table grads, loads): "stored" on the masks with the dk/dv and dq tiles
+# of different shapes (the dq kernel then meets pairs the dk/dv kernel never stored), biases
+# in the logits, bf16, descriptor and pointer loads, and with table grads (split runs)
+STORED_COMBOS = [
+    ("ctx_cand", torch.float32, "uneven", False, "tma"),
+    ("ctx_cand", torch.float32, "uneven", False, "pointers"),
+    ("ctx_cand_rab", torch.float32, "default", False, "tma"),
+    ("ctx_cand", torch.bfloat16, "default", False, "tma"),
+    ("ctx_cand_pos", torch.float32, "default", True, "tma"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype", "tiles", "table_grads", "loads"),
+    STORED_COMBOS,
+    ids=[f"{c}-{str(d)[6:]}-{t}{'-table_grads' * g}-{x}" for c, d, t, g, x in STORED_COMBOS],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_stored_backward_matches_split_and_reference(
+    mode, case, dtype, tiles, table_grads, loads, monkeypatch, spy_launches
+):
+    """backward="stored" (the dk/dv kernel stores dS, dq is one matmul a tile pair from it)
+    gives the split backward's and the reference's gradients, zero on capacity-padding rows,
+    with its buffer filled with NaN first (the dq kernel reads only what was stored and masks
+    the rest); with table gradients needed it runs the split kernels."""
+    seed = zlib.crc32(f"stored/{mode}/{case}/{dtype}".encode())
+    qkv, offsets, kw, tables, grad_out, total = _make_inputs(mode, case, dtype, seed)
+    spy = spy_launches(_launch, "_hstu_bwd_dq_stored_kernel")
+    split_dq = spy_launches(_launch, "_hstu_bwd_dq_kernel")
+    blocks = SHAPES[mode]["blocks"][tiles]
+    monkeypatch.setattr(
+        _launch, "_TMA_KERNELS", frozenset(_launch.TILE_KERNELS if loads == "tma" else ())
+    )
+    buffers = []
+
+    def nan_buffer(H, T, max_seqlen, like):
+        buffers.append(torch.full((H, T, _launch._ds_width(max_seqlen)), float("nan"),
+                                  dtype=like.dtype, device=like.device))  # fmt: skip
+        return buffers[-1]
+
+    monkeypatch.setattr(_launch, "_ds_buffer", nan_buffer)
+
+    def run(fn, to, **extra):
+        leaves = [x.to(dtype).to(to).clone().requires_grad_() for x in qkv]
+        tabs = [t.clone().requires_grad_(table_grads) for t in tables.values()]
+        out = fn(*leaves, offsets, **kw, **dict(zip(tables, tabs)), **extra)
+        wrt = leaves + (tabs if table_grads else [])
+        return out, torch.autograd.grad(out, wrt, grad_out.to(to))
+
+    out, split = run(hstu_attention, dtype, block_sizes=blocks, backward="split")
+    paths = len(_launch._time_paths(tables.get("rab_time")))  # split's dq: one per time path
+    assert not spy.grids and len(split_dq.grids) == paths
+    if table_grads:
+        table = tables["rab_pos"].clone().requires_grad_()
+        picked = hstu_attention_module._resolve_backward("stored", qkv[0], qkv[2], table, None)
+        assert picked == "split"
+        monkeypatch.setattr(hstu_attention_module, "_resolve_backward", lambda b, *_: b)
+    stored_out, stored = run(hstu_attention, dtype, block_sizes=blocks, backward="stored")
+    assert len(spy.grids) == (0 if table_grads else 1)
+    assert len(split_dq.grids) == (2 if table_grads else 1) * paths
+    if not table_grads:
+        T, H = qkv[0].shape[:2]
+        assert [tuple(b.shape) for b in buffers] == [(H, T, _launch._ds_width(kw["max_seqlen"]))]
+        assert bool(torch.isfinite(buffers[0]).any())  # the dk/dv kernel stored into it
+        assert spy.meta[-1]["TMA"] == (loads == "tma")
+    _, ref = run(hstu_attention_reference, torch.float32)
+    assert torch.equal(stored_out, out)
+    tol = TOL[dtype]
+    names = ["q", "k", "v", *(tables if table_grads else ())]
+    for name, g, sg, rg in zip(names, stored, split, ref, strict=True):
+        assert g.dtype == sg.dtype and g.shape == sg.shape, name
+        assert bool(torch.isfinite(g).all()), f"d{name}: a NaN of the buffer leaked"
+        if name in ("k", "v") or dtype == torch.float32:
+            # dk / dv: the same kernel's; fp32 dq: the same dS, summed in another order
+            _assert_close(g, sg, 1e-6 if name in ("k", "v") else tol, f"d{name} stored vs split")
+        _assert_close(g, rg, max(tol, 1e-4) if name.startswith("rab") else tol, f"d{name}")
+        if name in ("q", "k", "v"):
+            assert torch.all(g[total:] == 0), f"d{name}: capacity-padding rows must be zero"
+
+
+def test_stored_backward_bounds_its_buffer(monkeypatch, spy_launches):
+    """ "stored" sizes its dS buffer from the rows, heads and max_seqlen (``stored_ds_bytes``)
+    and runs split where it would pass ``STORED_DS_MAX_BYTES``."""
+    assert _launch.stored_ds_bytes(12288, 4, 4100) == 4 * 12288 * 4160 * 2
+    assert _launch.stored_ds_bytes(10, 2, 1, torch.float32) == 2 * 10 * 64 * 4
+    mode = "interpret" if _INTERPRET else "cuda"
+    qkv, offsets, kw, _, grad_out, _ = _make_inputs(mode, "ctx_cand", torch.float32, 7)
+    spy = spy_launches(_launch, "_hstu_bwd_dq_stored_kernel")
+    split_dq = spy_launches(_launch, "_hstu_bwd_dq_kernel")
+    T, H = qkv[0].shape[:2]
+    need = _launch.stored_ds_bytes(T, H, kw["max_seqlen"], torch.float32)
+    for cap, stored in ((need, True), (need - 1, False)):
+        monkeypatch.setattr(_launch, "STORED_DS_MAX_BYTES", cap)
+        leaves = [x.clone().requires_grad_() for x in qkv]
+        out = hstu_attention(*leaves, offsets, **kw, backward="stored")
+        torch.autograd.grad(out, leaves, grad_out)
+        assert (len(spy.grids), len(split_dq.grids)) == ((1, 0) if stored else (1, 1))
+
+
 # (case, dtype, backward, table grads); the bf16 biased case (~12 s in the interpreter) runs
 # in the slow tier: the fp32 one covers the biases, the bf16 fused one the low precision
 UVQK_COMBOS = [
@@ -378,6 +477,7 @@ UVQK_COMBOS = [
     ("ctx_cand_rab", torch.float32, "split", True),
     ("ctx_cand_rab", torch.bfloat16, "split", False),
     ("ctx_cand", torch.bfloat16, "fused", False),
+    ("ctx_cand", torch.bfloat16, "stored", False),
 ]
 
 
