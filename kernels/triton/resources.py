@@ -7,8 +7,8 @@ machine need not have:
 Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, ``fused`` (the fused
 backward's one kernel: dk/dv plus dq added atomically into fp32) and ``dq_stored`` (the
 "stored" backward's dq from dS; ``--stored``: ``dkdv`` as that backward runs it, storing
-dS). Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate counts, no biases, fast sigmoid) with
-its default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill
+dS). Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate
+counts, no biases, fast sigmoid) with its default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill
 bytes for the PTX. At head dim 256 every kernel sits at the 255-register limit and spills
 (kernels/README.md), so this is how a change to the tiles or to a kernel's code is judged on a
 CPU machine before it is timed on a GPU (``scripts/attention_jagged.py --profile`` reads the
