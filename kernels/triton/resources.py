@@ -4,17 +4,16 @@ machine need not have:
     python -m hstu_kernels.triton.resources [--dim 256] [--arch 90]
         [--kernels fwd,dkdv,dq,fused,dq_stored] [--tiles 64,32,4,2 ...] [--stored]
 
-Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, ``fused`` (the fused
-backward's one kernel: dk/dv plus dq added atomically into fp32) and ``dq_stored`` (the
-"stored" backward's dq from dS; ``--stored``: ``dkdv`` as that backward runs it, storing
-dS). Each kernel is compiled as bench_upstream calls it (bf16, contextual and candidate
-counts, no biases, fast sigmoid) with its default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill
-bytes for the PTX. At head dim 256 every kernel sits at the 255-register limit and spills
-(kernels/README.md), so this is how a change to the tiles or to a kernel's code is judged on a
-CPU machine before it is timed on a GPU (``scripts/attention_jagged.py --profile`` reads the
-same from the kernels it loaded). Figures depend on the Triton and ptxas versions: compare
-variants within one install. Needs Triton kernels compiled, not interpreted
-(``TRITON_INTERPRET`` unset).
+Kernels: ``fwd``, the split backward's ``dkdv`` and ``dq``, ``fused`` (the fused backward's one
+kernel: dk/dv plus dq added atomically into fp32) and ``dq_stored`` (the "stored" backward's dq from
+dS; ``--stored``: ``dkdv`` as that backward runs it, storing dS). Each kernel is compiled as
+bench_upstream calls it (bf16, contextual and candidate counts, no biases, fast sigmoid) with its
+default tiles and any ``--tiles`` given, and ptxas reports registers per thread and spill bytes for
+the PTX. At head dim 256 every kernel sits at the 255-register limit and spills (kernels/README.md),
+so this is how a change to the tiles or to a kernel's code is judged on a CPU machine before it is
+timed on a GPU (``scripts/attention_jagged.py --profile`` reads the same from the kernels it
+loaded). Figures depend on the Triton and ptxas versions: compare variants within one install. Needs
+Triton kernels compiled, not interpreted (``TRITON_INTERPRET`` unset).
 """
 
 import argparse
