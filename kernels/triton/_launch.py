@@ -100,14 +100,14 @@ _TUNED = {
           "dq_stored": BlockSizes(64, 64, 4, 3)},
     256: {"fwd": BlockSizes(64, 64, 4, 3), "dkdv": BlockSizes(64, 32, 4, 2),
           "dq": BlockSizes(64, 32, 4, 3), "fused": BlockSizes(32, 64, 8, 2),
-          "dq_stored": BlockSizes(64, 64, 4, 3)},
+          "dq_stored": BlockSizes(64, 32, 4, 3)},
 }  # fmt: skip
-# backward mode per head dim for 16-bit inputs on CUDA: "split" until "fused" is timed on a GPU
-# (a first probe, one H100, backward alone, the fused tiles above: on the bench_upstream-like
-# jagged batch fused was level with split at D=256 and 64 and ~15 % faster at D=128; on
-# 8 x 4096 ~35 % slower at D=256 and ~15 % at D=128, where each query row takes one [D] atomic
-# add per key block)
-_DEFAULT_BACKWARD = {64: "split", 128: "split", 256: "split"}
+# backward mode per head dim for 16-bit inputs on CUDA (one H200, forward + backward,
+# kernels/README.md): "stored" at D=256, where the split dq kernel is register-bound (-7.6 %
+# on the bench_upstream batches, -9 % on 8 x 4096); "split" at 128 (stored level to 8 %
+# slower) and 64 (9-33 % slower). "fused" trails split by 16 % at 256 on the recipe's batches.
+# The dq_stored tiles at 64 / 128 are not swept (that backward is not their default).
+_DEFAULT_BACKWARD = {64: "split", 128: "split", 256: "stored"}
 
 
 # dq tiles where it also reduces bias-table gradients (the per-bucket sums of the time table,
