@@ -453,7 +453,6 @@ def _dq_stored_tile(
     dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n, hist_end, C,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_CTX: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
-    DQ_T: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_n = offs_n < n
@@ -472,10 +471,7 @@ def _dq_stored_tile(
         # holds anything, NaN included: select, do not multiply
         ds_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], n, hist_end, C, HAS_CTX),
                         ds_t, 0.0)  # fmt: skip
-    if DQ_T:  # dq^T [D, BLOCK_M] = k^T dS^T: dS^T the B operand as stored, k^T the A
-        dq += _dot(tl.trans(k), ds_t, PREC)
-    else:
-        dq += _dot(tl.trans(ds_t), k, PREC)
+    dq += _dot(tl.trans(ds_t), k, PREC)
     return dq
 
 
@@ -487,7 +483,6 @@ def _hstu_bwd_dq_stored_kernel(
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, PREC: tl.constexpr,
     OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
-    DQ_T: tl.constexpr = False,
 ):  # fmt: skip
     """dq per query block from the dS the dk/dv kernel stored (``STORE_DS``): ``dq = alpha dS
     K``, one matmul per tile pair instead of the split dq kernel's three (no scores, no dP, no
@@ -513,15 +508,12 @@ def _hstu_bwd_dq_stored_kernel(
             )
         else:
             Ks, DSs = K, DS
-        if DQ_T:
-            dq = tl.full([BLOCK_DQK, BLOCK_M], 0.0, tl.float32)
-        else:
-            dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
+        dq = tl.full([BLOCK_M, BLOCK_DQK], 0.0, tl.float32)
         full, hi1, lo2, hi2 = _key_ranges(m0, n, hist_end, C, BLOCK_M, BLOCK_N, HAS_CTX)
         for start_n in range(0, full, BLOCK_N):
             dq = _dq_stored_tile(
                 dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n,
-                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, False, TMA, DQ_T,
+                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, False, TMA,
             )  # fmt: skip
         n_a = _num_blocks(full, hi1, BLOCK_N)
         n_b = _num_blocks(lo2, hi2, BLOCK_N)
@@ -529,10 +521,8 @@ def _hstu_bwd_dq_stored_kernel(
             start_n = _block_start(it, full, n_a, lo2, n_b, 0, BLOCK_N)
             dq = _dq_stored_tile(
                 dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n,
-                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, True, TMA, DQ_T,
+                hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, True, TMA,
             )  # fmt: skip
-        if DQ_T:
-            dq = tl.trans(dq)
         if SILU:
             j, _ = _entry(tl.program_id(0), H, G, Lead)
             _silu_store_rows(

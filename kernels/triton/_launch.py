@@ -80,8 +80,6 @@ TILE_KERNELS = (*KERNELS, "fused", "dq_stored")
 # sample's key rows hold its queries; only the pairs its tiles visit are written): it runs
 # "split" where that buffer would pass this many bytes
 STORED_DS_MAX_BYTES = 4 << 30
-# the stored dq kernel's orientation, for an A/B (HSTU_TRITON_DQ_T=1: dq^T = k^T dS^T)
-_DQ_T = os.environ.get("HSTU_TRITON_DQ_T", "0") == "1"
 
 
 # bf16 / fp16 tiles per head dim (the larger of Dqk and Dv, rounded up to a power of two) and
@@ -621,8 +619,7 @@ def _bwd_impl(
                     DQK=meta["DQK"], BLOCK_DQK=meta["BLOCK_DQK"], BLOCK_M=dq_bs.block_m,
                     BLOCK_N=dq_bs.block_n, HAS_CTX=meta["HAS_CTX"], HAS_CAND=meta["HAS_CAND"],
                     PREC=meta["PREC"], OUT_LIKE_IN=dq_like, TMA=tma, SILU=silu is not None,
-                    SILU_TMA=silu_tma, DQ_T=_DQ_T, num_warps=dq_bs.num_warps,
-                    num_stages=dq_bs.num_stages,
+                    SILU_TMA=silu_tma, num_warps=dq_bs.num_warps, num_stages=dq_bs.num_stages,
                 )  # fmt: skip
             elif not fused:
                 pos_mode, time_mode = _table_grad_modes(

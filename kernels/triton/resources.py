@@ -101,7 +101,6 @@ def resources(
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
         OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
         TMA=tma, SILU=silu, SILU_TMA=silu, STORE_DS=stored,
-        DQ_T=os.environ.get("HSTU_TRITON_DQ_T", "0") == "1",
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {
