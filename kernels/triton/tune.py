@@ -1,7 +1,7 @@
 """Block-size sweep of the Triton HSTU attention kernels, per head dim (CUDA).
 
     python -m hstu_kernels.triton.tune [--dims 64,128,256] [--seqlen 4096 --batch 8]
-        [--kernels fwd,dkdv,dq,fused] [--tiles m,n,warps,stages ...]
+        [--kernels fwd,dkdv,dq,fused,dq_stored] [--tiles m,n,warps,stages ...]
 
 For every head dim: an equal-length batch (``batch`` x ``seqlen``, causal) and a jagged one
 shaped like ``configs/bench_upstream.yaml`` (``hstu_kernels.tune_cases``). Each forward candidate
@@ -12,7 +12,10 @@ graph (``bench.graph_time_ms``, median over ``--repeats`` replays; as the traini
 gaps, which moved the jagged batch's figures by up to 10 % between two runs). Every candidate's
 output and gradients are first compared with the built-in default's (a tile that computes
 something else is reported, never timed). ``fused`` rows time the fused backward
-(``backward="fused"``, one kernel on the dk/dv tiles) against the split default's gradients.
+(``backward="fused"``, one kernel on the dk/dv tiles) and ``dq_stored`` rows the stored one
+(``backward="stored"``, the candidate as its dq kernel's tiles), both against the split
+default's gradients (explicit ``backward="split"`` for the other rows, whatever the head dim's
+default mode).
 The defaults in ``_launch.default_block_sizes`` come from this table.
 """
 
@@ -54,8 +57,11 @@ FUSED_CANDIDATES = [
 ]  # fmt: skip
 PASSES = {
     "fwd": FWD_CANDIDATES, "dkdv": BWD_CANDIDATES, "dq": BWD_CANDIDATES,
-    "fused": FUSED_CANDIDATES,
+    "fused": FUSED_CANDIDATES, "dq_stored": BWD_CANDIDATES,
 }  # fmt: skip
+# the backward mode each pass runs, and the slot of the (forward, dk/dv, dq) tiles it sets
+MODES = {"fused": "fused", "dq_stored": "stored"}
+SLOTS = {"fused": "dkdv", "dq_stored": "dq"}
 
 
 def _case(name, lengths, num_candidates, num_contextual, heads, dim, max_seqlen):
@@ -78,15 +84,16 @@ def _rel_err(a, b) -> float:
 
 def _sweep_case(case, dim, heads, calls, repeats, tol, passes=tuple(PASSES), only=None):
     """Rows (kernel, BlockSizes, ms, note): every candidate of one kernel, the others' tiles
-    at their defaults; forward timed alone, backward tiles by the backward alone (``fused``:
-    the fused backward with the candidate as its tiles, checked against split's gradients)."""
+    at their defaults; forward timed alone, backward tiles by the backward alone (``fused`` /
+    ``dq_stored``: that backward with the candidate as its tiles, checked against split's
+    gradients)."""
     q, k, v = (x.detach().requires_grad_() for x in case["qkv"])
     offsets, kw, grad = case["offsets"], case["kw"], case["grad"]
     fwd_flops = 4.0 * case["pairs"] * heads * dim
     defaults = {kern: default_block_sizes(dim, kern) for kern in PASSES}
 
     def blocks(kern, bs):
-        slot = "dkdv" if kern == "fused" else kern  # the fused kernel runs on the dk/dv tiles
+        slot = SLOTS.get(kern, kern)  # e.g. the fused kernel runs on the dk/dv tiles
         return tuple(bs if name == slot else defaults[name] for name in KERNELS)
 
     def attention(tiles, backward="split"):
@@ -105,7 +112,7 @@ def _sweep_case(case, dim, heads, calls, repeats, tol, passes=tuple(PASSES), onl
         for bs in PASSES[kern] if only is None else only:
             tiles = blocks(kern, bs)
             try:
-                out = attention(tiles, "fused" if kern == "fused" else "split")
+                out = attention(tiles, MODES.get(kern, "split"))
                 if kern == "fwd":
                     err = _rel_err(out, ref_out)
                 else:
@@ -118,7 +125,7 @@ def _sweep_case(case, dim, heads, calls, repeats, tol, passes=tuple(PASSES), onl
                 if kern == "fwd":
                     ms = graph_time_ms(lambda tiles=tiles: forward(tiles), calls, repeats)
                 else:
-                    mode = "fused" if kern == "fused" else "split"
+                    mode = MODES.get(kern, "split")
 
                     def fwd_bwd(tiles=tiles, mode=mode):
                         torch.autograd.grad(attention(tiles, mode), (q, k, v), grad)
@@ -165,7 +172,7 @@ def main(argv=None) -> None:
         results = {c["name"]: _sweep_case(c, dim, args.heads, args.calls, args.repeats, args.tol,
                                           passes, only) for c in cases}  # fmt: skip
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
-        print(f"\n## head dim {dim} (defaults: {defaults}; dkdv / dq / fused rows: backward time)")
+        print(f"\n## head dim {dim} (defaults: {defaults}; backward rows: backward time)")
         print(sweep_table(results, passes, "m,n,warps,stages"))
         del cases
         torch.cuda.empty_cache()
