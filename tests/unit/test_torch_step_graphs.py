@@ -212,21 +212,28 @@ def test_init_state_leaves_parameters_and_moments_as_they_were():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "task,tables",
-    [("ranking", "dense"), ("retrieval", "dense"), ("ranking", "data_parallel_adam")],
+    "task,tables,backward",
+    [
+        ("ranking", "dense", "auto"),
+        ("retrieval", "dense", "auto"),
+        ("ranking", "data_parallel_adam", "auto"),
+        ("ranking", "dense", "stored"),
+    ],
 )
-def test_captured_step_graphs_train_as_the_eager_step(task, tables):
+def test_captured_step_graphs_train_as_the_eager_step(task, tables, backward):
     """On a GPU: six steps alternating between two capacities (graphs sharing one pool,
     replayed out of capture order) from captured step graphs, against the eager step: the
-    same losses, metrics and parameters (to rounding)."""
+    same losses, metrics and parameters (to rounding); also with the attention's "stored"
+    backward (its dS buffer allocated inside each capture)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the GPU machine)")
     from hstu.torch_backend.train_step import TorchBackend
 
     extra = DATA_PARALLEL_ADAM if tables == "data_parallel_adam" else ()
     cfg = _cfg(
-        task, "model.attention=kernel", "model.dropout=0.0", "train.weight_decay=0.1", *extra
-    )
+        task, "model.attention=kernel", "model.dropout=0.0", "train.weight_decay=0.1",
+        f"model.attention_backward={backward}", *extra,
+    )  # fmt: skip
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)
