@@ -134,7 +134,8 @@ def _sweep_case(case, dim, heads, calls, repeats, tol, passes=tuple(PASSES), onl
                 flops = fwd_flops * (1.0 if kern == "fwd" else 2.5)
                 rows.append((kern, bs, ms, f"{flops / ms / 1e9:.0f} TF/s"))
             except Exception as exc:  # e.g. triton's OutOfResources: report, go on
-                rows.append((kern, bs, float("nan"), type(exc).__name__))
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                rows.append((kern, bs, float("nan"), f"{type(exc).__name__}: {first}"))
     return rows
 
 
@@ -174,6 +175,10 @@ def main(argv=None) -> None:
         defaults = ", ".join(f"{kern} {default_block_sizes(dim, kern)}" for kern in PASSES)
         print(f"\n## head dim {dim} (defaults: {defaults}; backward rows: backward time)")
         print(sweep_table(results, passes, "m,n,warps,stages"))
+        for name, rows in results.items():  # the table cuts a failure short: in full here
+            for kern, bs, ms, note in rows:
+                if ms != ms and not note.startswith("differs"):
+                    print(f"# {name} {kern} {bs}: {note}")
         del cases
         torch.cuda.empty_cache()
 
