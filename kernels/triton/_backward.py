@@ -357,6 +357,25 @@ def _dq_tile(
 
 
 @triton.jit
+def _store_dq(
+    DQ, dq, PreQ, BPart, rows_m, in_m, stride_dqt, stride_qt, seq_start, n, m0, h, G, Lead, H,
+    DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+):  # fmt: skip
+    """A dq program's scaled tile stored: as is, or (``SILU``) as the gradient of q's
+    pre-activation ``PreQ`` (pre-offset to the head) with its column sums into the program's
+    row of the bias partials ``BPart [G, H DQK]``."""
+    if SILU:
+        j, _ = _entry(tl.program_id(0), H, G, Lead)
+        _silu_store_rows(
+            DQ, dq, PreQ, rows_m, in_m, stride_dqt, stride_qt,
+            BPart + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, m0, DQK, BLOCK_DQK,
+            SILU_TMA,
+        )  # fmt: skip
+    else:
+        _store_rows(DQ, rows_m, in_m, stride_dqt, dq, DQK, BLOCK_DQK)
+
+
+@triton.jit
 def _hstu_bwd_dq_kernel(
     Q, K, V, DO, DQ, PreQ, BPart, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     DRabPos, DRabTime,
@@ -432,15 +451,10 @@ def _hstu_bwd_dq_kernel(
                 DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_TB, HAS_CTX, HAS_POS,
                 HAS_TIME, POS_GRAD, TIME_GRAD, PREC, FAST, True, TMA,
             )  # fmt: skip
-        if SILU:
-            j, _ = _entry(tl.program_id(0), H, G, Lead)
-            _silu_store_rows(
-                DQ, dq * alpha, PreQ + h * stride_qh, rows_m, in_m, stride_dqt, stride_qt,
-                BPart + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, m0, DQK, BLOCK_DQK,
-                SILU_TMA,
-            )  # fmt: skip
-        else:
-            _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
+        _store_dq(
+            DQ, dq * alpha, PreQ + h * stride_qh, BPart, rows_m, in_m, stride_dqt, stride_qt,
+            seq_start, n, m0, h, G, Lead, H, DQK, BLOCK_DQK, SILU, SILU_TMA,
+        )  # fmt: skip
         if TIME_GRAD:
             offs_tb = tl.arange(0, BLOCK_TB)
             if TIME_GRAD == 2:
@@ -523,12 +537,7 @@ def _hstu_bwd_dq_stored_kernel(
                 dq, DSs, Ks, m0, offs_m, in_m, start_n, seq_start, stride_kt, stride_dst, n,
                 hist_end, C, DQK, BLOCK_DQK, BLOCK_M, BLOCK_N, HAS_CTX, PREC, True, TMA,
             )  # fmt: skip
-        if SILU:
-            j, _ = _entry(tl.program_id(0), H, G, Lead)
-            _silu_store_rows(
-                DQ, dq * alpha, PreQ + h * stride_qh, rows_m, in_m, stride_dqt, stride_qt,
-                BPart + j.to(tl.int64) * (H * DQK) + h * DQK, seq_start, n, m0, DQK, BLOCK_DQK,
-                SILU_TMA,
-            )  # fmt: skip
-        else:
-            _store_rows(DQ, rows_m, in_m, stride_dqt, dq * alpha, DQK, BLOCK_DQK)
+        _store_dq(
+            DQ, dq * alpha, PreQ + h * stride_qh, BPart, rows_m, in_m, stride_dqt, stride_qt,
+            seq_start, n, m0, h, G, Lead, H, DQK, BLOCK_DQK, SILU, SILU_TMA,
+        )  # fmt: skip

@@ -130,7 +130,8 @@ def hstu_attention_fwd(
     backward: str,
 ) -> torch.Tensor:
     """Forward op. ``blocks`` = the forward, dk/dv and dq kernels' tiles (``_pack_blocks``);
-    ``backward`` = the backward mode ("split" / "fused"), kept for the backward op."""
+    ``backward`` = the backward mode ("split" / "fused" / "stored"), kept for the backward
+    op."""
     fwd_bs, _ = _unpack_blocks(blocks)
     return _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, num_contextual,
                      num_candidates, timestamps, rab_pos, rab_time, fwd_bs)  # fmt: skip
@@ -686,7 +687,7 @@ def hstu_linear_uvqk_attention(
     )
     args = _op_args(q, k, v, seq_offsets, *kw.values())
     nweight, nbias, eps = _check_norm(norm, num_heads * linear_dim, x.device)
-    if args[-1] != "split" or not EAGER_FAST_PATH or torch.compiler.is_compiling():
+    if args[-1] == "fused" or not EAGER_FAST_PATH or torch.compiler.is_compiling():
         uvqk = _ls.linear_silu(x, weight, bias, reduced)
         return hstu_uvqk_attention(uvqk, seq_offsets, **dims, **kw, norm=norm)
     weight_x, bias_x = reduced if reduced is not None else (None, None)

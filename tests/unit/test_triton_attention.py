@@ -624,7 +624,7 @@ def test_uvqk_attention_with_the_gated_norm_equals_the_op_then_the_norm(mode, dt
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
-def test_linear_uvqk_attention_equals_linear_silu_then_the_op(mode, dtype):
+def test_linear_uvqk_attention_equals_linear_silu_then_the_op(mode, dtype, spy_launches):
     """`hstu_linear_uvqk_attention`: the uvqk projection, its SiLU, the attention and the
     gated norm in one op, whose backward runs SiLU's backward in the kernels that write the
     gradients (the gated norm's, the dk / dv and dq kernels' epilogues) and sums the bias
@@ -656,15 +656,16 @@ def test_linear_uvqk_attention_equals_linear_silu_then_the_op(mode, dtype):
     blocks = SHAPES[mode]["blocks"]["default"]
     dims = dict(num_heads=H, linear_dim=dv, attention_dim=dqk)
 
-    def run(fused, backward="split"):
+    def run(fused, backward="split", train_tables=True):
         x, w, b, nw, nb = (t.clone().requires_grad_() for t in (x0, w0, b0, nw0, nb0))
-        tabs = {n: t.clone().requires_grad_() for n, t in tables.items()}
+        tabs = {n: t.clone().requires_grad_(train_tables) for n, t in tables.items()}
         common = dict(**dims, **kw, **tabs, block_sizes=blocks, backward=backward)
         if fused:
             y = hstu_linear_uvqk_attention(x, w, b, offsets, **common, norm=(nw, nb, 1e-6))
         else:
             y = hstu_uvqk_attention(linear_silu(x, w, b), offsets, **common, norm=(nw, nb, 1e-6))
-        return (y, *torch.autograd.grad(y, (x, w, b, nw, nb, *tabs.values()), dy))
+        wrt = (x, w, b, nw, nb, *(tabs.values() if train_tables else ()))
+        return (y, *torch.autograd.grad(y, wrt, dy))
 
     got, want = run(True), run(False)
     names = ["y", "dx", "dweight", "dbias", "dnorm_weight", "dnorm_bias", *tables]
@@ -685,6 +686,14 @@ def test_linear_uvqk_attention_equals_linear_silu_then_the_op(mode, dtype):
     fused_bwd = run(True, "fused")
     for name, g, e in zip(names, fused_bwd, run(False, "fused"), strict=True):
         _assert_close(g, e, tol, f"{name}, fused backward")
+    # the stored backward (tables frozen: with their gradients it runs split) with SiLU's
+    # backward in the dk / dv and the stored dq kernels' epilogues
+    spy = spy_launches(_launch, "_hstu_bwd_dq_stored_kernel")
+    stored = run(True, "stored", train_tables=False)
+    assert len(spy.grids) == 1 and spy.meta[-1]["SILU"]
+    want = run(False, "stored", train_tables=False)
+    for name, g, e in zip(names[: len(want)], stored, want, strict=True):
+        _assert_close(g, e, tol, f"{name}, stored backward")
     with pytest.raises(ValueError, match=rf"weight must be \[in, {width}\]"):
         hstu_linear_uvqk_attention(x0, w0[:, 1:], b0[1:], offsets, **dims, **kw,
                                    norm=(nw0, nb0, 1e-6))  # fmt: skip
