@@ -224,18 +224,20 @@ def test_kernel_switch_needs_cuda_or_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("bias_grads", [True, False], ids=["bias-grads", "no-bias"])
-def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_launches):
-    """`model.attention_backward` reaches the Triton kernel (interpreted here): fused and split
-    give the same loss and gradients; with bias tables that need gradients the kernel runs
-    split (the dq kernel reduces them), without biases it runs the fused kernel."""
+def test_the_fused_and_stored_attention_backwards_train_like_the_split_one(
+    bias_grads, spy_launches
+):
+    """`model.attention_backward` reaches the Triton kernel (interpreted here): fused, stored
+    and split give the same loss and gradients; with bias tables that need gradients the
+    kernel runs split (the dq kernel reduces them), without biases the fused kernel and the
+    stored backward's dq kernel."""
     import hstu_kernels.triton._launch as launch
 
     biases = [] if bias_grads else ["model.rab_position_buckets=0", "model.rab_time_buckets=0"]
     grads, launched = {}, []
-    for mode in ("split", "fused"):
-        spies = {
-            n: spy_launches(launch, n) for n in ("_hstu_bwd_dq_kernel", "_hstu_bwd_fused_kernel")
-        }
+    kernels = ("_hstu_bwd_dq_kernel", "_hstu_bwd_fused_kernel", "_hstu_bwd_dq_stored_kernel")
+    for mode in ("split", "fused", "stored"):
+        spies = {n: spy_launches(launch, n) for n in kernels}
         cfg = _cfg("ranking", "model.num_layers=1", "model.attention=kernel", *biases)
         cfg.model.attention_backward = mode
         model = HSTUModel(cfg.model)
@@ -244,11 +246,16 @@ def test_the_fused_attention_backward_trains_like_the_split_one(bias_grads, spy_
         loss.backward()
         grads[mode] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})
         launched += [n for n, spy in spies.items() if spy.grids]
-    want_fused = [] if bias_grads else ["_hstu_bwd_fused_kernel"]
-    assert launched == ["_hstu_bwd_dq_kernel", *(want_fused or ["_hstu_bwd_dq_kernel"])]
-    assert grads["fused"][0] == grads["split"][0]
-    for name, g in grads["split"][1].items():
-        np.testing.assert_allclose(grads["fused"][1][name], g, rtol=1e-5, atol=1e-6, err_msg=name)
+    if bias_grads:
+        assert launched == ["_hstu_bwd_dq_kernel"] * 3
+    else:
+        assert launched == list(kernels)
+    for mode in ("fused", "stored"):
+        assert grads[mode][0] == grads["split"][0]
+        for name, g in grads["split"][1].items():
+            np.testing.assert_allclose(
+                grads[mode][1][name], g, rtol=1e-5, atol=1e-6, err_msg=f"{mode}: {name}"
+            )
 
 
 @pytest.mark.slow  # ~8 s interpreted: the default tier keeps the kernels' own tests
