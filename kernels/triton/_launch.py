@@ -506,12 +506,12 @@ def _bwd_impl(
     (dq, dk, dv) tensors to write, any row / head strides (columns of one buffer: the caller
     then needs no concatenation); returned as given.
 
-    ``silu``: None, or ``(pre_q, pre_k, pre_v)`` with q, k, v = silu of them, each laid out as its
-    activation (same strides): the kernels then write the pre-activations' gradients (SiLU's
-    backward in their epilogues, split and stored backward only) and the bias gradient's column sums
-    per program, returned sixth as fp32 ``(part_q [Gq, H Dqk], part_k [Gkv, H Dqk], part_v [Gkv, H
-    Dv])``: each column's sum over the rows of its part is that column's bias gradient
-    (``linear_silu.sum_partials``)."""
+    ``silu``: None, or ``(pre_q, pre_k, pre_v)`` with q, k, v = silu of them, each laid out
+    as its activation (same strides): the kernels then write the pre-activations' gradients
+    (SiLU's backward in their epilogues, split and stored backward only) and the bias
+    gradient's column sums per program, returned sixth as fp32 ``(part_q [Gq, H Dqk],
+    part_k [Gkv, H Dqk], part_v [Gkv, H Dv])``: each column's sum over the rows of its part
+    is that column's bias gradient (``linear_silu.sum_partials``)."""
     dkdv_bs, dq_bs = bs
     check_backward(backward)
     if silu is not None:
