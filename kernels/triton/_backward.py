@@ -26,10 +26,12 @@ from ._common import (
     _sigmoid,
     _silu_store_rows,
     _store_rows,
+    _tail_program,
     _time_bucket,
     _time_path,
     _ts_load,
     _visible,
+    _zero_tail_rows,
 )
 
 
@@ -381,20 +383,26 @@ def _hstu_bwd_dq_kernel(
     DRabPos, DRabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
+    Zero, stride_zt, stride_zh, ZH, ZD, B, T,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TB: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     PREC: tl.constexpr, FAST: tl.constexpr, OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr,
-    SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+    SILU: tl.constexpr, SILU_TMA: tl.constexpr, ZERO_TAIL: tl.constexpr,
+    TAIL_ROWS: tl.constexpr, TAIL_COLS: tl.constexpr,
 ):  # fmt: skip
     """dq per query block (and the bias tables' gradients). ``SILU``: q is ``silu(PreQ)``
     (laid out as Q): dq is stored as the pre-activation's gradient, its column sums as the
     program's row of the bias partials ``BPart [G, H DQK]`` (``_silu_store_rows``; ``SILU_TMA``:
-    PreQ read through a descriptor)."""
+    PreQ read through a descriptor). ``ZERO_TAIL``: the programs past the scheduled ``G * H``
+    zero the rows past the last sample (``B`` samples, ``T`` rows) of ``Zero [T, ZH, ZD]``,
+    the gradients' capacity padding (``_zero_tail_rows``)."""
+    pid, tail = _tail_program(G, H, ZERO_TAIL)
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    n = tl.where(tail < 0, n, 0)  # a tail program: no query block
     ts_lo = 0
     if HAS_TIME:
         ts_lo, runs = _time_path(TsRange, HAS_TIME)
@@ -460,6 +468,9 @@ def _hstu_bwd_dq_kernel(
             if TIME_GRAD == 2:
                 dtime = tl.reduce(dtime, 0, _add)
             tl.atomic_add(DRabTime + offs_tb, dtime, mask=offs_tb < TB, sem="relaxed")
+    if ZERO_TAIL:
+        _zero_tail_rows(Zero, SeqOffsets, B, T, stride_zt, stride_zh, ZH, ZD, tail, TAIL_ROWS,
+                        TAIL_COLS)  # fmt: skip
 
 
 @triton.jit
@@ -493,18 +504,22 @@ def _dq_stored_tile(
 def _hstu_bwd_dq_stored_kernel(
     Q, K, DS, DQ, PreQ, BPart, SeqOffsets, NumCtx, NumCand,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_dqt, stride_dqh, stride_dsh, stride_dst,
-    Sched, G, Lead, H, alpha,
+    Sched, G, Lead, H, alpha, Zero, stride_zt, stride_zh, ZH, ZD, B, T,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_CTX: tl.constexpr, HAS_CAND: tl.constexpr, PREC: tl.constexpr,
     OUT_LIKE_IN: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr, SILU_TMA: tl.constexpr,
+    ZERO_TAIL: tl.constexpr, TAIL_ROWS: tl.constexpr, TAIL_COLS: tl.constexpr,
 ):  # fmt: skip
     """dq per query block from the dS the dk/dv kernel stored (``STORE_DS``): ``dq = alpha dS
     K``, one matmul per tile pair instead of the split dq kernel's three (no scores, no dP, no
     SiLU recomputed). The same blocks and masks as ``_hstu_bwd_dq_kernel``; no bias-table
-    gradients ("stored" runs split where one is needed). ``SILU`` / ``SILU_TMA`` as there."""
+    gradients ("stored" runs split where one is needed). ``SILU`` / ``SILU_TMA`` and
+    ``ZERO_TAIL`` as there."""
+    pid, tail = _tail_program(G, H, ZERO_TAIL)
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    n = tl.where(tail < 0, n, 0)  # a tail program: no query block
     m0 = m_blk * BLOCK_M
     if m0 < n:
         if OUT_LIKE_IN:
@@ -541,3 +556,6 @@ def _hstu_bwd_dq_stored_kernel(
             DQ, dq * alpha, PreQ + h * stride_qh, BPart, rows_m, in_m, stride_dqt, stride_qt,
             seq_start, n, m0, h, G, Lead, H, DQK, BLOCK_DQK, SILU, SILU_TMA,
         )  # fmt: skip
+    if ZERO_TAIL:
+        _zero_tail_rows(Zero, SeqOffsets, B, T, stride_zt, stride_zh, ZH, ZD, tail, TAIL_ROWS,
+                        TAIL_COLS)  # fmt: skip

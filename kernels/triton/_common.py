@@ -225,11 +225,24 @@ def _zero_tail_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Zeros in rows ``[SeqOffsets[B], T)`` of ``X [T, H, D]`` (last dim contiguous): the
-    capacity padding, which no attention program writes. One program per ``BLOCK_R`` rows;
-    programs wholly below the last sample's end return at once."""
+    capacity padding, which no attention program writes. One program per ``BLOCK_R`` rows
+    (``_zero_tail_rows``)."""
+    _zero_tail_rows(X, SeqOffsets, B, T, stride_t, stride_h, H, D, tl.program_id(0), BLOCK_R,
+                    BLOCK_C)  # fmt: skip
+
+
+@triton.jit
+def _zero_tail_rows(
+    X, SeqOffsets, B, T, stride_t, stride_h, H, D, blk,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Zeros in the rows of block ``blk`` (rows ``[blk BLOCK_R, (blk + 1) BLOCK_R)``) of ``X
+    [T, H, D]`` (last dim contiguous) that lie in ``[SeqOffsets[B], T)``; nothing for a block
+    wholly below the last sample's end or a negative ``blk`` (an attention kernel's programs
+    before its tail programs: ``_tail_program``)."""
     end = tl.load(SeqOffsets + B).to(tl.int32)
-    r0 = tl.program_id(0) * BLOCK_R
-    if r0 + BLOCK_R > end:
+    r0 = blk * BLOCK_R
+    if (blk >= 0) & (r0 + BLOCK_R > end):
         rows = r0 + tl.arange(0, BLOCK_R)
         keep = (rows >= end) & (rows < T)
         for c0 in range(0, H * D, BLOCK_C):
@@ -237,6 +250,21 @@ def _zero_tail_kernel(
             offs = rows[:, None] * stride_t + ((cols // D) * stride_h + cols % D)[None, :]
             zero = tl.full([BLOCK_R, BLOCK_C], 0.0, X.dtype.element_ty)
             tl.store(X + offs, zero, mask=keep[:, None] & (cols < H * D)[None, :])
+
+
+@triton.jit
+def _tail_program(G, H, ZERO_TAIL: tl.constexpr):
+    """(pid, tail) of an attention-kernel program. With ``ZERO_TAIL`` the launch's grid holds
+    programs past its ``G * H`` scheduled ones, one per block of the output's rows to zero
+    (``_zero_tail_rows``): those get the last scheduled pid (its table entry is in range; the
+    kernel runs no block for them) and ``tail``, their index past the scheduled ones; every
+    other program its own pid and ``tail = -1``."""
+    pid = tl.program_id(0)
+    tail = -1
+    if ZERO_TAIL:
+        tail = pid - G * H
+        pid = tl.minimum(pid, G * H - 1)
+    return pid, tail
 
 
 @triton.jit

@@ -14,9 +14,11 @@ from ._common import (
     _sample_info,
     _sigmoid,
     _store_rows,
+    _tail_program,
     _time_path,
     _ts_load,
     _visible,
+    _zero_tail_rows,
 )
 
 
@@ -51,15 +53,21 @@ def _fwd_tile(
 def _hstu_fwd_kernel(
     Q, K, V, Out, SeqOffsets, NumCtx, NumCand, Ts, TsRange, RabPos, RabTime,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm,
+    stride_rp, stride_rt, Sched, G, Lead, H, P, TB, alpha, inv_norm, B, T,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CTX: tl.constexpr,
     HAS_CAND: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-    PREC: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, ZERO_TAIL: tl.constexpr,
+    TAIL_ROWS: tl.constexpr, TAIL_COLS: tl.constexpr,
 ):  # fmt: skip
+    """Out for one query block of one sample and head. ``ZERO_TAIL``: the programs past the
+    scheduled ``G * H`` zero Out's rows past the last sample (``B`` samples, ``T`` rows), the
+    capacity padding, ``TAIL_ROWS`` rows each (``_zero_tail_rows``)."""
+    pid, tail = _tail_program(G, H, ZERO_TAIL)
     m_blk, h, seq_start, n, C, hist_end = _sample_info(
-        tl.program_id(0), H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
+        pid, H, Sched, G, Lead, SeqOffsets, NumCtx, NumCand, HAS_CTX, HAS_CAND
     )
+    n = tl.where(tail < 0, n, 0)  # a tail program: no query block
     ts_lo = 0
     if HAS_TIME:
         ts_lo, runs = _time_path(TsRange, HAS_TIME)
@@ -106,3 +114,6 @@ def _hstu_fwd_kernel(
                 BLOCK_N, HAS_CTX, HAS_POS, HAS_TIME, PREC, FAST, True, TMA,
             )  # fmt: skip
         _store_rows(Out, rows_m, in_m, stride_ot, acc * inv_norm, DV, BLOCK_DV)
+    if ZERO_TAIL:
+        _zero_tail_rows(Out, SeqOffsets, B, T, stride_ot, stride_oh, H, DV, tail, TAIL_ROWS,
+                        TAIL_COLS)  # fmt: skip

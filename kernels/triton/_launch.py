@@ -380,6 +380,25 @@ def _ds_buffer(H: int, T: int, max_seqlen: int, like: torch.Tensor) -> torch.Ten
     return torch.empty((H, T, _ds_width(max_seqlen)), dtype=like.dtype, device=like.device)
 
 
+# rows per program of the capacity padding's zeros, in ``_zero_tail`` and in the attention
+# kernels' tail programs (``_tail_meta``)
+TAIL_ROWS = 64
+
+
+def _tail_meta(x: torch.Tensor, zero: bool) -> dict:
+    """Meta-parameters of an attention launch that zeros (``zero``) the capacity padding of
+    ``x [T, H, D]`` (rows past the last sample, which no attention program writes) in tail
+    programs past its scheduled ones (``_tail_program``) instead of a launch of its own:
+    ``programs``, how many to add to the grid, then the kernel's constexprs."""
+    T, H, D = x.shape
+    return dict(
+        programs=triton.cdiv(T, TAIL_ROWS) if zero else 0,
+        ZERO_TAIL=zero,
+        TAIL_ROWS=TAIL_ROWS,
+        TAIL_COLS=min(256, triton.next_power_of_2(max(H * D, 1))),
+    )
+
+
 def _zero_tail(x: torch.Tensor, so: torch.Tensor) -> None:
     """Zero the rows of ``x [T, H, D]`` past the last sample (``so[-1]``): the capacity
     padding, which no attention program writes. On the device without a host sync (CUDA
@@ -389,15 +408,16 @@ def _zero_tail(x: torch.Tensor, so: torch.Tensor) -> None:
         x[int(so[-1]) :] = 0
         return
     if T:
-        _zero_tail_kernel[(triton.cdiv(T, 64),)](
+        _zero_tail_kernel[(triton.cdiv(T, TAIL_ROWS),)](
             x, so, so.shape[0] - 1, T, x.stride(0), x.stride(1), H, D,
-            BLOCK_R=64, BLOCK_C=min(256, triton.next_power_of_2(H * D)), num_warps=4,
+            BLOCK_R=TAIL_ROWS, BLOCK_C=min(256, triton.next_power_of_2(H * D)), num_warps=4,
         )  # fmt: skip
 
 
-def _zero_tails(xs, so: torch.Tensor) -> None:
-    """``_zero_tail`` of each of ``xs``; one launch where they are adjacent column ranges of
-    the rows of one buffer (the backward's dq, dk, dv written into the uvqk gradient)."""
+def _tail_spans(xs) -> list[torch.Tensor]:
+    """The tensors whose capacity padding zeroes ``xs``' ([T, H, D] each): one ``[T, 1,
+    width]`` view where they are adjacent column ranges of the rows of one buffer (the
+    backward's dq, dk, dv written into the uvqk gradient), else ``xs`` themselves."""
     spans = sorted(xs, key=lambda x: x.data_ptr())
     first = spans[0]
     width = sum(x.shape[1] * x.shape[2] for x in spans)
@@ -414,10 +434,8 @@ def _zero_tails(xs, so: torch.Tensor) -> None:
         and width <= first.stride(0)
     )
     if not adjacent:
-        for x in xs:
-            _zero_tail(x, so)
-        return
-    _zero_tail(first.as_strided((first.shape[0], 1, width), (first.stride(0), width, 1)), so)
+        return list(xs)
+    return [first.as_strided((first.shape[0], 1, width), (first.stride(0), width, 1))]
 
 
 def _outputs(like, out: torch.Tensor | None) -> torch.Tensor:
@@ -480,17 +498,18 @@ def _fwd_impl(q, k, v, seq_offsets, max_seqlen, alpha, normalizer, nc_, nk_, ts_
             _ensure_allocator()
         grid, table, G = _schedule(so, T, H, max_seqlen, bs.block_m, key_major=False)
         tsr = _time_range(ts, so) if rt_ is not None else so
-        for has_time in _time_paths(rt_):
-            _hstu_fwd_kernel[grid](
+        for i, has_time in enumerate(_time_paths(rt_)):
+            # the first launch also zeros out's capacity padding (``_tail_meta``)
+            tail = _tail_meta(out, i == 0)
+            _hstu_fwd_kernel[(grid[0] + tail.pop("programs"),)](
                 q, k, v, out, so, nc, nk, ts, tsr, rp, rt,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
                 rp.stride(0) if rp_ is not None else 0, rt.stride(0) if rt_ is not None else 0,
                 table, G, launch_lead("fwd", bs.lead, G), H, P, TB, float(alpha),
-                1.0 / float(normalizer), TMA=tma,
+                1.0 / float(normalizer), B, T, TMA=tma, **tail,
                 **_common_meta(q, v, nc_, nk_, rp_, has_time, bs),
             )  # fmt: skip
-        _zero_tail(out, so)
     return out
 
 
@@ -605,21 +624,29 @@ def _bwd_impl(
                 grid, table, G = _schedule(so, T, H, max_seqlen, dq_bs.block_m, key_major=False)
                 if silu is not None:
                     parts[0] = torch.zeros((G, H * q.shape[2]), **f32)
+            # the gradients' capacity padding: zeroed by the dq launch's tail programs where one
+            # span covers dq, dk and dv (the model's uvqk gradient), else by launches of its own
+            spans = _tail_spans((dk, dv) if fused else (dq, dk, dv))
+            fold = not fused and len(spans) == 1
+            zero = spans[0]
+            zero_args = (zero, zero.stride(0), zero.stride(1), *zero.shape[1:], B, T)
             if stored:
                 tma = use_tma("dq", q, k, ds)
                 if tma:
                     _ensure_allocator()
                 meta = _common_meta(q, v, nc_, nk_, rp_, 0, dq_bs)
-                _hstu_bwd_dq_stored_kernel[grid](
+                tail = _tail_meta(zero, fold)
+                _hstu_bwd_dq_stored_kernel[(grid[0] + tail.pop("programs"),)](
                     q, k, ds, dq, silu[0] if silu is not None else q,
                     parts[0] if silu is not None else dq, so, nc, nk,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), dq.stride(0),
                     dq.stride(1), ds.stride(0), ds.stride(1), table, G,
-                    launch_lead("dq", dq_bs.lead, G), H, float(alpha),
+                    launch_lead("dq", dq_bs.lead, G), H, float(alpha), *zero_args,
                     DQK=meta["DQK"], BLOCK_DQK=meta["BLOCK_DQK"], BLOCK_M=dq_bs.block_m,
                     BLOCK_N=dq_bs.block_n, HAS_CTX=meta["HAS_CTX"], HAS_CAND=meta["HAS_CAND"],
                     PREC=meta["PREC"], OUT_LIKE_IN=dq_like, TMA=tma, SILU=silu is not None,
                     SILU_TMA=silu_tma, num_warps=dq_bs.num_warps, num_stages=dq_bs.num_stages,
+                    **tail,
                 )  # fmt: skip
             elif not fused:
                 pos_mode, time_mode = _table_grad_modes(
@@ -628,19 +655,22 @@ def _bwd_impl(
                 tma = use_tma("dq", q, k, v, grad_out)
                 if tma:
                     _ensure_allocator()
-                for has_time in paths:
-                    _hstu_bwd_dq_kernel[grid](
+                for i, has_time in enumerate(paths):
+                    tail = _tail_meta(zero, fold and i == 0)
+                    _hstu_bwd_dq_kernel[(grid[0] + tail.pop("programs"),)](
                         q, k, v, grad_out, dq, silu[0] if silu is not None else q,
                         parts[0] if silu is not None else dq, so, nc, nk, ts, tsr, rp, rt,
                         drp if pos_grad else so, drt if time_grad else so,
                         *inputs, dq.stride(0), dq.stride(1), *tables, table, G,
-                        launch_lead("dq", dq_bs.lead, G), H, *scalars,
+                        launch_lead("dq", dq_bs.lead, G), H, *scalars, *zero_args,
                         BLOCK_TB=_block_tb(TB, time_mode, dq_bs), POS_GRAD=pos_mode,
                         TIME_GRAD=time_mode, OUT_LIKE_IN=dq_like, TMA=tma,
-                        SILU=silu is not None, SILU_TMA=silu_tma,
+                        SILU=silu is not None, SILU_TMA=silu_tma, **tail,
                         **_common_meta(q, v, nc_, nk_, rp_, has_time, dq_bs),
                     )  # fmt: skip
-            _zero_tails((dk, dv) if fused else (dq, dk, dv), so)
+            if not fold:
+                for x in spans:
+                    _zero_tail(x, so)
     else:
         for x in (dq, dk, dv):
             x.zero_()

@@ -40,7 +40,8 @@ _FN = {"fwd": _hstu_fwd_kernel, "dkdv": _hstu_bwd_dkdv_kernel, "dq": _hstu_bwd_d
 # pointer arguments by name; every other non-constexpr argument is an int32 scalar except these
 _POINTERS = {
     **dict.fromkeys(
-        ("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ", "PreQ", "PreK", "PreV", "DS"), "*bf16"
+        ("Q", "K", "V", "Out", "DO", "DK", "DVout", "DQ", "PreQ", "PreK", "PreV", "DS", "Zero"),
+        "*bf16",
     ),
     **dict.fromkeys(
         ("SeqOffsets", "Ts", "TsRange", "RabPos", "RabTime", "DRabPos", "DRabTime"), "*i64"
@@ -101,6 +102,7 @@ def resources(
         HAS_POS=False, HAS_TIME=0, POS_GRAD=0, TIME_GRAD=False, PREC=None, FAST=True,
         OUT_LIKE_IN=True,  # the outputs share the inputs' strides (the model's case)
         TMA=tma, SILU=silu, SILU_TMA=silu, STORE_DS=stored,
+        ZERO_TAIL=True, TAIL_ROWS=64, TAIL_COLS=256,  # the capacity padding zeroed as launched
     )  # fmt: skip
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {

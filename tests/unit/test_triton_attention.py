@@ -1078,31 +1078,79 @@ def test_shared_schedules_build_each_table_once_per_step(mode, monkeypatch):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+class _NanEmpty:
+    """`torch` as `_launch` sees it, with `torch.empty` of floats filled with NaN: memory a
+    kernel leaves unwritten shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kw):
+        t = torch.empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_adjacent_gradients_zero_their_padding_in_one_launch(mode, monkeypatch):
-    """The backward's dq, dk, dv written as adjacent columns of the uvqk gradient (v, q, k of
-    `[u, v, q, k]`) get their capacity padding zeroed by one launch over their columns; the u
-    columns and the real rows stay as they were. Tensors that are not adjacent: one each."""
-    dev = _device(mode)
-    T, H, D, end = 40, 2, 8, 29
-    grad = torch.ones(T, 4 * H * D, device=dev, dtype=torch.bfloat16)
-    u, v, q, k = (grad[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
-    so = torch.tensor([0, 11, end], device=dev)
-    calls = []
+@pytest.mark.parametrize("backward", ["split", "stored"])
+def test_capacity_padding_is_zeroed_by_the_kernels_tail_programs(
+    mode, backward, monkeypatch, spy_launches
+):
+    """The rows past the last sample (capacity padding), which no attention program writes,
+    come out zero from memory that held NaN: the forward's out by its kernel's tail programs;
+    the backward's dq, dk, dv by the dq kernel's where they are adjacent columns of one buffer
+    (v, q, k of the uvqk gradient `[u, v, q, k]`: one span, no launch of its own; the u
+    columns and the real rows untouched), else by a `_zero_tail` launch each."""
+    qkv, offsets, kw, _, grad_out, total = _make_inputs(mode, "ctx_cand", torch.bfloat16, 7)
+    T, H, D = qkv[0].shape
+    Dv = qkv[2].shape[2]
+    monkeypatch.setattr(_launch, "torch", _NanEmpty())
+    zeroed = []
     real = _launch._zero_tail
-    monkeypatch.setattr(_launch, "_zero_tail", lambda x, so: calls.append(x.shape) or real(x, so))
-    _launch._zero_tails((q, k, v), so)
-    assert calls == [(T, 1, 3 * H * D)]
-    assert bool((grad[end:, H * D :] == 0).all()) and bool((grad[:end] == 1).all())
+    monkeypatch.setattr(_launch, "_zero_tail", lambda x, so: zeroed.append(x.shape) or real(x, so))
+    fwd = spy_launches(_launch, "_hstu_fwd_kernel")
+    q, k, v = (x.to(torch.bfloat16) for x in qkv)
+    bs = SHAPES[mode]["blocks"]["default"] or _launch.default_block_sizes(D, "fwd")
+    fixed = (kw["max_seqlen"], kw["alpha"], kw["normalizer"], kw["num_contextual"],
+             kw["num_candidates"], None, None, None)  # fmt: skip
+    out = _launch._fwd_impl(q, k, v, offsets, *fixed, bs)
+    assert fwd.meta[-1]["ZERO_TAIL"] and not zeroed
+    assert bool((out[total:] == 0).all()) and bool(torch.isfinite(out[:total]).all())
+
+    widths = [H * D, H * Dv, H * D, H * D]  # u, v, q, k
+    grad = torch.full((T, sum(widths)), float("nan"), dtype=torch.bfloat16, device=q.device)
+    grad[:, : H * D] = 1.0  # u: not the attention's
+    u, gv, gq, gk = (c.unflatten(-1, (H, -1)) for c in grad.split(widths, dim=1))
+    bwd = _launch._bwd_impl
+    args = (grad_out.to(torch.bfloat16), q, k, v, offsets, *fixed, False, False)
+    blocks = (None, None) if mode == "cuda" else (bs, bs)
+    if mode == "cuda":
+        dq_kernel = "dq_stored" if backward == "stored" else "dq"
+        blocks = (_launch.default_block_sizes(D, "dkdv"), _launch.default_block_sizes(D, dq_kernel))
+    name = "_hstu_bwd_dq_stored_kernel" if backward == "stored" else "_hstu_bwd_dq_kernel"
+    dq_launch = spy_launches(_launch, name)
+    got = bwd(*args, blocks, backward, out=(gq, gk, gv))
+    assert got[0] is gq and dq_launch.meta[-1]["ZERO_TAIL"] and not zeroed
+    assert bool((grad[total:, H * D :] == 0).all()), "the padding of dq, dk, dv"
+    assert bool(torch.isfinite(grad[:total]).all()), "every real row written"
     assert bool((u == 1).all())
-    calls.clear()
-    grad.fill_(1)
-    _launch._zero_tails((u, q), so)  # v between them
-    assert calls == [(T, H, D)] * 2
-    assert bool((grad[end:, : H * D] == 0).all()) and bool(
-        (grad[end:, 2 * H * D : 3 * H * D] == 0).all()
-    )
-    assert bool((grad[end:, H * D : 2 * H * D] == 1).all()) and bool((grad[:end] == 1).all())
+    # not adjacent (the op's own outputs): a launch each, the dq kernel's tail programs off
+    dq, dk, dv = bwd(*args, blocks, backward)[:3]
+    assert not dq_launch.meta[-1]["ZERO_TAIL"] and zeroed == [(T, H, D), (T, H, D), (T, H, Dv)]
+    for name_, g, want in zip("qkv", (dq, dk, dv), (gq, gk, gv), strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0, msg=f"d{name_}")
+
+
+def test_tail_spans_merge_adjacent_columns_only():
+    """`_tail_spans`: dq, dk, dv as adjacent column ranges of one buffer are one `[T, 1,
+    width]` view over them; with a gap between them (u, then q past v), each its own."""
+    T, H, D = 40, 2, 8
+    grad = torch.ones(T, 4 * H * D, dtype=torch.bfloat16)
+    u, v, q, k = (grad[:, i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(4))
+    (span,) = _launch._tail_spans((q, k, v))
+    assert span.shape == (T, 1, 3 * H * D) and span.data_ptr() == v.data_ptr()
+    assert span.stride() == (4 * H * D, 3 * H * D, 1)
+    assert [x.data_ptr() for x in _launch._tail_spans((u, q))] == [u.data_ptr(), q.data_ptr()]
 
 
 @pytest.mark.slow  # ~7 s of offline compiles on 2 cores, as the load probe's
