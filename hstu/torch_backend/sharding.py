@@ -121,7 +121,7 @@ class ReplicatedTables:
         those rows only (every marked row is among them; the others are left as they are),
         the same arithmetic on the same values as the dense masked pass, which streams the
         whole table, both moments and the gradient through a dozen elementwise kernels."""
-        from hstu_kernels.triton.adamw_rows import adamw_masked_
+        from hstu_kernels.triton.adamw_multi import adamw_multi_
 
         e = self.cfg
         compact = compact or {}
@@ -129,26 +129,29 @@ class ReplicatedTables:
         self.t.add_(1)
         if self.adam:
             self.row_marks.wait()  # launched when the step's batch was marked
+        hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay)
+        whole: list[tuple] = []  # Adam over a whole table, masked: one launch for all of them
         for name, p in self.tables.items():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             st = self.state[name]
-            hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps,
-                         weight_decay=e.weight_decay)  # fmt: skip
             if self.adam and name in compact:
                 rows, g_rows = compact[name]  # distinct rows: the writes back are exact
                 state = [x.index_select(0, rows) for x in (p, st["m"], st["v"])]
                 touched = self.row_marks.rows[name].index_select(0, rows) > 0
-                adamw_masked_(*state, g_rows, touched, self.t, **hyper)
+                adamw_multi_([state[0]], [g_rows.contiguous()], [state[1]], [state[2]], [self.t],
+                             **hyper, rows=[touched])  # fmt: skip
                 for x, new in zip((p, st["m"], st["v"]), state, strict=True):
                     x.index_copy_(0, rows, new)
                 continue
             if self.adam:
-                adamw_masked_(p, st["m"], st["v"], g, self.row_marks.rows[name] > 0, self.t,
-                              **hyper)  # fmt: skip
+                whole.append((p.detach(), g, st["m"], st["v"], self.row_marks.rows[name] > 0))
                 continue
             s = st["sum"]
             s.add_((g * g).mean(dim=1))
             p.sub_(g * (e.lr / (s.sqrt() + e.eps))[:, None])
+        if whole:
+            ps, gs, ms, vs, marks = (list(x) for x in zip(*whole, strict=True))
+            adamw_multi_(ps, gs, ms, vs, [self.t] * len(ps), **hyper, rows=marks)
 
     def stepped(self) -> None:
         """A step graph applied the update (step_graphs.py): count it."""

@@ -29,16 +29,19 @@ The sizes that change from step to step (the key boundaries in source order, the
 and loss-row counts, the global loss-token count) are int64 device scalars in a header of the
 static input: the graph computes its masks and the loss's denominator from them.
 
-The update: the run's fused AdamW, made capturable (its step count on the device), for every
-parameter but the item table. The table is read as a leaf of rows (`W[ids]`, detached) whose
-gradient the graph keeps as it is, and `hstu_kernels.triton.adamw_rows` applies the same
-AdamW to it from those rows, with the optimizer's own state: no dense `[V, D]` gradient is
-filled, scattered, read by the norm and by AdamW (about 0.65 ms of every `bench_upstream`
-step, docs/BENCHMARKS.md). AdamW's state is initialised before the first capture
-(`_init_state`: a step at learning rate 0 on zero gradients, then the count reset, which
-leaves every parameter and moment as it was). Every parameter is updated every step as in
-the eager step: a parameter the loss does not reach gets a zero gradient inside the graph
-(`GradBuckets.finish` does the same eagerly), the table's rows nobody looked up too.
+The update: AdamW with the run's optimizer's state and hyperparameters (its step counts on the
+device, as torch's capturable AdamW keeps them), for every parameter but the item table, as one
+`hstu_kernels.triton.adamw_multi` launch that also sums the gradients' squares for the norm
+(`fused_update`; torch's fused AdamW and a norm pass where that kernel cannot run). The table
+is read as a leaf of rows (`W[ids]`, detached) whose gradient the graph keeps as it is, and
+`hstu_kernels.triton.adamw_rows` applies the same AdamW to it from those rows, with the
+optimizer's own state: no dense `[V, D]` gradient is filled, scattered, read by the norm and by
+AdamW (about 0.65 ms of every `bench_upstream` step, docs/BENCHMARKS.md). AdamW's state is
+initialised before the first capture (`_init_state`: a step at learning rate 0 on zero
+gradients, then the count reset, which leaves every parameter and moment as it was). Every
+parameter is updated every step as in the eager step: a parameter the loss does not reach gets
+a zero gradient inside the graph (`GradBuckets.finish` does the same eagerly), the table's rows
+nobody looked up too.
 
 `data_parallel` tables with Adam (sharding.ReplicatedTables) are updated on their touched
 rows only, with their own state and `embedding.*` hyperparameters, t advanced once per
@@ -252,8 +255,31 @@ class StepGraphs:
             [] if self.task == "ranking" else [f"{m}@{TOP_K}" for m in ("hr", "ndcg")]
         )
         self.world_size, self.group = world_size, group
+        self.fused_update = self._fusable()
         if world_size > 1:
             self._reduced_layout()
+
+    def _fusable(self) -> bool:
+        """Whether the update runs as one `adamw_multi_` launch (with the gradients' squared
+        norm) instead of torch's fused AdamW and a norm pass: where the Triton kernels run
+        (CUDA, or the interpreter), for plain AdamW with one parameter group and a float
+        learning rate, whose parameters and the data_parallel small tables are every
+        gradient the norm reads."""
+        from hstu_kernels.triton.adamw_multi import runs_kernel
+
+        if not isinstance(self.optimizer, torch.optim.AdamW):  # (None: a loss-only check)
+            return False
+        groups = self.optimizer.param_groups
+        if len(groups) != 1:
+            return False
+        g = groups[0]
+        if g["amsgrad"] or g["maximize"] or torch.is_tensor(g["lr"]) or not runs_kernel(self.table):
+            return False
+        owned = {id(p) for p in g["params"]}
+        if self.tables is not None:
+            tables = self.model.embedding.embeddings
+            owned |= {id(tables[k].weight) for k in ("contextual", "action")}
+        return all(id(p) in owned for p in self.params if p is not self.table)
 
     def _reduced_layout(self) -> None:
         """W > 1: the static buffer one all-reduce sums after each replay, `[gradients of every
@@ -486,15 +512,20 @@ class StepGraphs:
             if p.grad is None and p is not table:  # not reached by the loss: a zero gradient,
                 p.grad = torch.zeros_like(p)  # as the eager step
         grads = [p.grad for p in self.params if p is not table]
-        table_sq = self._update_table(ids, rows.grad)
+        sq = self._update_table(ids, rows.grad)
         if self.tables is not None:
             ctx, act = (self.model.embedding.embeddings[k].weight for k in ("contextual", "action"))
             sink = ctx.shape[0] + act.shape[0]  # one more row: where -1 marks
             marks = torch.zeros(sink + 1, dtype=torch.bool, device=ctx.device)
             marks.index_fill_(0, torch.where(small_ids >= 0, small_ids, sink), True)
-            self._update_small_tables(marks[:sink])
-        norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + table_sq)
-        self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
+            sq = sq + self._update_small_tables(marks[:sink])
+        if self.fused_update:  # AdamW and the norm's squares in one launch
+            norm = torch.sqrt(self._update_dense() + sq)
+        else:
+            if self.tables is not None:  # the small tables' squares are counted above
+                grads = [p.grad for p in self.params if p is not table and not self._small(p)]
+            norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + sq)
+            self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
         parts = [loss.detach(), *sums.values(), norm]
         out = torch.stack([t.float() for t in parts])
         # captured: the graph's gradients live in the shared pool (see the docstring)
@@ -543,10 +574,16 @@ class StepGraphs:
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.group)
         touched = torch.where(marks.index_select(0, rows) > 0, rows, -1)
         table_sq = self._update_table(touched, part)
-        if self.small_marks is not None:
-            self._update_small_tables(self.small_marks[:-1] > 0)
-        norm = torch.sqrt(torch.linalg.vector_norm(self.grad_flat).square() + table_sq)
-        self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
+        if self.fused_update:  # the small tables' squares, AdamW and the others' squares
+            sq = table_sq
+            if self.small_marks is not None:
+                sq = sq + self._update_small_tables(self.small_marks[:-1] > 0)
+            norm = torch.sqrt(self._update_dense() + sq)
+        else:
+            if self.small_marks is not None:
+                self._update_small_tables(self.small_marks[:-1] > 0)
+            norm = torch.sqrt(torch.linalg.vector_norm(self.grad_flat).square() + table_sq)
+            self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
         for p in self.dense:
             p.grad = None
         return torch.cat([self.scalars, norm.reshape(1)])
@@ -574,6 +611,13 @@ class StepGraphs:
                     loss.backward()
                 del loss
             self._update_table(ids, rows.grad, run=False)  # its kernels built, not run
+            if self.fused_update:  # the update's kernel too
+                from hstu_kernels.triton.adamw_multi import compile_adamw_multi
+
+                group = self.optimizer.param_groups[0]
+                compile_adamw_multi(self.table, sum(p is not self.table for p in group["params"]))
+                if self.tables is not None:
+                    compile_adamw_multi(self.table, 2)
             del ids, rows
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
@@ -618,20 +662,51 @@ class StepGraphs:
                 weight_decay=group["weight_decay"],
             )  # fmt: skip
 
-    def _update_small_tables(self, marks: torch.Tensor) -> None:
+    def _small(self, p: torch.Tensor) -> bool:
+        """Whether `p` is one of the data_parallel small tables (updated by
+        `_update_small_tables`)."""
+        if self.tables is None:
+            return False
+        tables = self.model.embedding.embeddings
+        return any(p is tables[k].weight for k in ("contextual", "action"))
+
+    def _update_small_tables(self, marks: torch.Tensor) -> torch.Tensor:
         """data_parallel Adam on the contextual and action tables (small: from their dense
         gradients) where the step looked them up: `marks` (bool) over the two concatenated
-        tables' rows. After `_update_table` (which advanced t)."""
-        from hstu_kernels.triton.adamw_rows import adamw_masked_
+        tables' rows, both tables in one launch. After `_update_table` (which advanced t).
+        Returns their gradients' squared norm."""
+        from hstu_kernels.triton.adamw_multi import adamw_multi_
 
         e, tables = self.tables.cfg, self.model.embedding.embeddings
         ctx, act = tables["contextual"].weight, tables["action"].weight
         sink = ctx.shape[0] + act.shape[0]
-        hyper = dict(lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay)
+        states = [self.tables.state["embedding." + k] for k in ("contextual", "action")]
         with torch.no_grad():
-            for p, rows in ((ctx, marks[: ctx.shape[0]]), (act, marks[ctx.shape[0] : sink])):
-                state = self.tables.state["embedding." + ("contextual" if p is ctx else "action")]
-                adamw_masked_(p, state["m"], state["v"], p.grad, rows, self.tables.t, **hyper)
+            return adamw_multi_(
+                [ctx.detach(), act.detach()], [ctx.grad, act.grad],
+                [st["m"] for st in states], [st["v"] for st in states], [self.tables.t] * 2,
+                lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay,
+                rows=[marks[: ctx.shape[0]], marks[ctx.shape[0] : sink]],
+            )  # fmt: skip
+
+    def _update_dense(self) -> torch.Tensor:
+        """AdamW on the optimizer's parameters that have a gradient (every one but the item
+        table's, which `_update_table` updates), with its own state and hyperparameters, in
+        one launch (`fused_update`); returns their gradients' squared norm."""
+        from hstu_kernels.triton.adamw_multi import adamw_multi_
+
+        group, state = self.optimizer.param_groups[0], self.optimizer.state
+        params = [p for p in group["params"] if p.grad is not None]
+        steps = [state[p]["step"] for p in params]
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)  # as torch's capturable AdamW counts
+            return adamw_multi_(
+                [p.detach() for p in params], [p.grad for p in params],
+                [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
+                steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )  # fmt: skip
 
     def _init_state(self) -> None:
         """AdamW's state for every parameter that has none, created outside the graph (a

@@ -112,7 +112,8 @@ def _adamw_tile(
     P, M, V2, mask, g, Step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay
 ):  # fmt: skip
     """AdamW as torch's fused kernel computes it (fp32, step count `Step` already advanced)
-    on the elements at pointers `P`, `M`, `V2` where `mask`, from their gradient `g`."""
+    on the elements at pointers `P`, `M`, `V2` where `mask`, from their gradient `g`; returns
+    the updated parameter (fp32)."""
     p = tl.load(P, mask=mask, other=0.0)
     m = tl.load(M, mask=mask, other=0.0)
     v = tl.load(V2, mask=mask, other=0.0)
@@ -126,6 +127,7 @@ def _adamw_tile(
     tl.store(P, p, mask=mask)
     tl.store(M, m, mask=mask)
     tl.store(V2, v, mask=mask)
+    return p
 
 
 @triton.jit

@@ -164,6 +164,7 @@ def test_the_backend_trains_from_step_graphs_as_the_eager_step(task, tables):
             metrics.append(backend.fetch_metrics(backend.optimizer_step(handle)))
         runs[graphed] = (metrics, backend.model.export_params(), backend)
     (want, want_p, _), (got, got_p, backend) = runs[False], runs[True]
+    assert backend.step_graphs.fused_update  # AdamW and the norm in one launch (interpreted)
     assert len(backend.step_graphs.graphs) == 2, list(backend.step_graphs.graphs)
     assert backend.step_graphs.eager_steps == 1
     # the eager step of the last batch runs the stack from its own graphs (one more)
