@@ -272,16 +272,18 @@ def run_stack(
     seq: dict,
     rows: torch.Tensor | None = None,
     distinct: bool = True,
+    reduced: list | None = None,
 ) -> torch.Tensor:
     """The HSTU layers and the final norm: `z [T, D]` in fp32, or only its rows `rows` (the
     ones a loss reads: the last residual add and the norm are row-wise, so the same values
     without the `[T, D]` pass each way). Each layer's residual add happens in the next norm
     (`HSTULayer.forward`); a reduced-precision stack's linears get their parameters' copies
     in x's dtype from one multi-tensor copy (`reduced_weights`). `distinct`: `rows` holds
-    no row twice, so their gradients are written, not added (`select_distinct_rows`)."""
+    no row twice, so their gradients are written, not added (`select_distinct_rows`).
+    `reduced`: those copies, kept up to date by the caller (`(kernel, bias)` per linear, each
+    layer's uvqk then output projection), in place of the copy made here."""
     linears = [linear for layer in layers for linear in (layer.uvqk, layer.output)]
-    reduced = None
-    if linears and x.dtype != linears[0].kernel.dtype:
+    if reduced is None and linears and x.dtype != linears[0].kernel.dtype:
         reduced = reduced_weights(linears, x.dtype)
     pending = None
     for i, layer in enumerate(layers):
@@ -459,11 +461,22 @@ class HSTUModel(nn.Module):
         return x, seq
 
     def stack(
-        self, x: torch.Tensor, seq: dict, rows: torch.Tensor | None = None, distinct: bool = True
+        self,
+        x: torch.Tensor,
+        seq: dict,
+        rows: torch.Tensor | None = None,
+        distinct: bool = True,
+        reduced: list | None = None,
     ) -> torch.Tensor:
         """The HSTU layers and the final norm: `z [T, D]` in fp32, or its rows `rows`
-        (`distinct`: no row twice, as every loss row and query token is)."""
-        return run_stack(self.layers, self.final_norm, x, seq, rows, distinct)
+        (`distinct`: no row twice, as every loss row and query token is). `reduced`: the
+        linears' parameters in x's dtype, kept by the caller (`run_stack`)."""
+        return run_stack(self.layers, self.final_norm, x, seq, rows, distinct, reduced)
+
+    def stack_linears(self) -> list:
+        """The stack's linears in `run_stack`'s order of `reduced`: each layer's uvqk and
+        output projections."""
+        return [linear for layer in self.layers for linear in (layer.uvqk, layer.output)]
 
     def loss_rows(self, seq: dict) -> torch.Tensor:
         """The tokens whose output the loss reads: each candidate (ranking), each target's

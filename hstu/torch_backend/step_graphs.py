@@ -256,8 +256,39 @@ class StepGraphs:
         )
         self.world_size, self.group = world_size, group
         self.fused_update = self._fusable()
+        # W=1 with the fused update in a reduced precision: the stack's linears read copies of
+        # their parameters in it that the update writes (`_keep_copies`)
+        self.copies: list[torch.Tensor] | None = None
+        if world_size == 1 and self.fused_update and model.compute_dtype != torch.float32:
+            self._keep_copies()
         if world_size > 1:
             self._reduced_layout()
+
+    def _keep_copies(self) -> None:
+        """The stack's linears' parameters in the compute dtype, allocated once outside the
+        graphs' pool: the forward reads them (`run_stack(reduced=...)`) where it made them by a
+        multi-tensor copy every step, and the update writes them with the parameters
+        (`adamw_multi_(copies=...)`). Anything else that writes a parameter (a checkpoint's
+        load, an eager step's AdamW, `_init_state`) changes its version counter or its memory:
+        `_refresh_copies` copies them again before the next step that reads them."""
+        params = [t for linear in self.model.stack_linears() for t in (linear.kernel, linear.bias)]
+        dtype = self.model.compute_dtype
+        self.copy_params = params
+        self.copies = [torch.empty_like(p, dtype=dtype) for p in params]
+        self.copy_of = {id(p): c for p, c in zip(params, self.copies, strict=True)}
+        self.reduced = list(zip(self.copies[0::2], self.copies[1::2], strict=True))
+        self._copied: list[tuple[int, int]] | None = None  # (version, address) when copied
+
+    def _refresh_copies(self) -> None:
+        """The copies made again where a parameter changed outside the update since they were
+        (`_keep_copies`); a host check of ~100 integers otherwise."""
+        if self.copies is None:
+            return
+        marks = [(p._version, p.data_ptr()) for p in self.copy_params]
+        if marks != self._copied:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, [p.detach() for p in self.copy_params])
+            self._copied = marks
 
     def _fusable(self) -> bool:
         """Whether the update runs as one `adamw_multi_` launch (with the gradients' squared
@@ -344,6 +375,7 @@ class StepGraphs:
         self._fill(static, tb, lengths, global_loss_tokens)
         if entry is None:
             entry = self.graphs[key] = self._make(static)
+        self._refresh_copies()
         if entry.graph is None:
             with shared_schedules(self.model.cfg.attention):
                 return self._run(static), self.names + ["grad_norm"]
@@ -478,7 +510,10 @@ class StepGraphs:
         }
         # the final norm on the rows the loss reads only (row-wise: the same values); their
         # padding is distinct rows where the capacity has enough (`_pad_distinct`)
-        z = model.stack(x, seq, rows=v["loss_a"], distinct=s.loss_rows <= cap)
+        z = model.stack(
+            x, seq, rows=v["loss_a"], distinct=s.loss_rows <= cap,
+            reduced=self.reduced if self.copies is not None else None,
+        )  # fmt: skip
         denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         if self.task == "ranking":
             logits = model.ranking_head(z)
@@ -600,6 +635,7 @@ class StepGraphs:
             s.loss_rows,
         )
         self._init_state()
+        self._refresh_copies()  # what the warm-up's forward reads
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -615,7 +651,10 @@ class StepGraphs:
                 from hstu_kernels.triton.adamw_multi import compile_adamw_multi
 
                 group = self.optimizer.param_groups[0]
-                compile_adamw_multi(self.table, sum(p is not self.table for p in group["params"]))
+                n = sum(p is not self.table for p in group["params"])
+                compile_adamw_multi(
+                    self.table, n, self.model.compute_dtype if self.copies else None
+                )
                 if self.tables is not None:
                     compile_adamw_multi(self.table, 2)
             del ids, rows
@@ -706,6 +745,7 @@ class StepGraphs:
                 [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
                 steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"],
+                copies=[self.copy_of.get(id(p)) for p in params] if self.copies else None,
             )  # fmt: skip
 
     def _init_state(self) -> None:

@@ -256,3 +256,39 @@ def test_captured_step_graphs_train_as_the_eager_step(task, tables, backward):
             assert g[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
     for name, value in want_p.items():
         assert np.abs(got_p[name] - value).max() < 6 * 0.05 * cfg.train.lr, name
+
+
+def test_the_update_keeps_the_stack_copies_in_the_compute_dtype():
+    """bf16 with the one-launch update: the stack's linears read copies of their parameters
+    in bf16 that the update writes with them (no copy made per step); a parameter written
+    outside the update (a load) is copied again before the next step reads it, so that step
+    has the eager backend's loss."""
+    cfg = _cfg("ranking", "model.dtype=bfloat16", "model.dropout=0.0", *DATA_PARALLEL_ADAM)
+    graphed, eager = _backend(cfg, True), _backend(cfg, False)
+    sg = graphed.step_graphs
+    assert sg.fused_update and sg.copies is not None
+
+    def marks():
+        return [(p._version, p.data_ptr()) for p in sg.copy_params]
+
+    def step(backend, i, real):
+        batch = make_global_batch(cfg, cfg.data.batch_size, (real,), first_id=7 * i)[0]
+        glt = int(loss_tokens(batch, "ranking").sum())
+        handle = backend.forward_backward(backend.to_device([batch]), glt)
+        return backend.fetch_metrics(backend.optimizer_step(handle))
+
+    for i, real in enumerate((2, 6)):
+        step(graphed, i, real)
+        assert sg._copied == marks()  # written by the update: nothing to copy again
+        for p, c in zip(sg.copy_params, sg.copies, strict=True):
+            # the parameter rounded (the interpreter rounds toward zero, CUDA to nearest)
+            assert ((c.float() - p.detach()).abs() <= p.detach().abs() * 2.0**-7).all()
+    loaded = {
+        n: (2.0 * v if n.startswith("layers.") and ".uvqk." in n else v)
+        for n, v in graphed.model.export_params().items()
+    }
+    for backend in (graphed, eager):
+        backend.model.load_params(loaded)
+    assert sg._copied != marks()
+    got, want = step(graphed, 2, 4), step(eager, 2, 4)
+    assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
