@@ -8,8 +8,9 @@ The parameters are those of the recipe's model but the embedding tables (42M at
 
 * `torch`: torch's fused AdamW (capturable, as the step graphs ran it), `_foreach_norm` of the
   gradients, and the multi-tensor copy of the stack's linears to bf16 (`reduced_weights`);
-* `adamw_multi BxI`: `hstu_kernels.triton.adamw_multi.adamw_multi_` with `BLOCK = B`,
-  `ITERS = I` (elements per iteration, iterations per program), the copies written by it.
+* `adamw_multi BxIxW`: `hstu_kernels.triton.adamw_multi.adamw_multi_` with `BLOCK = B`,
+  `ITERS = I`, `WARPS = W` (elements per iteration, iterations per program, warps per
+  program), the copies written by it.
 
 Times: CUDA-graph replays (`hstu_kernels.triton.bench.graph_time_ms`), device ms per call,
 each variant's parameters checked against torch's after one step first. Prints a table.
@@ -25,7 +26,12 @@ import torch
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="bench_upstream")
-    p.add_argument("--tiles", default="2048x1,2048x8,1024x16,4096x4,2048x16")
+    p.add_argument(
+        "--tiles",
+        default="2048x1x8,2048x8x8,1024x16x8,1024x8x8,1024x32x8,512x32x4,512x16x4,"
+        "1024x16x4,2048x8x16,4096x4x16,2048x4x8",
+        help="BLOCK x ITERS x warps, comma-separated",
+    )
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
@@ -80,8 +86,8 @@ def main(argv=None) -> None:
     results = [("torch", graph_time_ms(torch_end, args.calls, args.rounds), "reference")]
 
     for tile in args.tiles.split(","):
-        block, iters = (int(x) for x in tile.split("x"))
-        am.BLOCK, am.ITERS, am.CHUNK = block, iters, block * iters
+        block, iters, warps = (int(x) for x in tile.split("x"))
+        am.BLOCK, am.ITERS, am.CHUNK, am.WARPS = block, iters, block * iters, warps
         mine = [x.clone() for x in ps]
         ms, vs = [x.clone() for x in m0], [x.clone() for x in v0]
         steps = [torch.full((1,), t0, device=dev) for _ in mine]

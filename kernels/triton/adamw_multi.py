@@ -41,9 +41,12 @@ _INTERPRET: bool
 # the address table's columns
 _P, _G, _M, _V, _COPY, _ROWS, _STEP, _NUMEL, _WIDTH, _FIRST = range(10)
 _COLS = 10
-# elements per iteration (8 warps, 8 fp32 of each array per thread) and iterations per
-# program: a program's search and table reads are paid once for CHUNK = BLOCK * ITERS elements
-BLOCK, ITERS = 2048, 8
+# elements per iteration, iterations per program (a program's search and table reads are paid
+# once for CHUNK = BLOCK * ITERS elements) and warps: 1024 x 16 x 8 warps, 4 fp32 of each
+# array per thread an iteration, the fastest of the first sweep on one H200 (0.372 ms for the
+# recipe's 43M parameters with their bf16 copies; 2048 x 8: 0.726, 2048 x 1: 0.460;
+# scripts/adamw_timing.py, kernels/README.md)
+BLOCK, ITERS, WARPS = 1024, 16, 8
 CHUNK = BLOCK * ITERS
 # host tables a captured launch reads at every replay (kept alive while the process lives)
 _CAPTURED: list[torch.Tensor] = []
@@ -222,7 +225,7 @@ def adamw_multi_(
             tab, sq, n, lr, b1, b2,
             math.log2(b1) if b1 > 0 else -math.inf, math.log2(b2) if b2 > 0 else -math.inf,
             eps, weight_decay, SEARCH=_search(n), COPY=copy, BLOCK=BLOCK, ITERS=ITERS,
-            num_warps=8,
+            num_warps=WARPS,
         )  # fmt: skip
     return sq.sum()
 
@@ -239,7 +242,7 @@ def compile_adamw_multi(like: torch.Tensor, n: int, copy_dtype: torch.dtype | No
     with torch.cuda.device(like.device):
         _adamw_multi_kernel.warmup(
             tab, sq, n, 1e-3, 0.9, 0.999, math.log2(0.9), math.log2(0.999), 1e-8, 0.0,
-            SEARCH=_search(n), COPY=copy, BLOCK=BLOCK, ITERS=ITERS, num_warps=8, grid=(1,),
+            SEARCH=_search(n), COPY=copy, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS, grid=(1,),
         )  # fmt: skip
 
 
