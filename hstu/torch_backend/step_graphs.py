@@ -650,13 +650,24 @@ class StepGraphs:
             if self.fused_update:  # the update's kernel too
                 from hstu_kernels.triton.adamw_multi import compile_adamw_multi
 
-                group = self.optimizer.param_groups[0]
-                n = sum(p is not self.table for p in group["params"])
+                group, state = self.optimizer.param_groups[0], self.optimizer.state
+                dense = [p for p in group["params"] if p is not self.table]
                 compile_adamw_multi(
-                    self.table, n, self.model.compute_dtype if self.copies else None
-                )
+                    [p.detach() for p in dense], [state[p]["exp_avg"] for p in dense],
+                    [state[p]["exp_avg_sq"] for p in dense],
+                    [self.copy_of.get(id(p)) for p in dense] if self.copies else None,
+                )  # fmt: skip
                 if self.tables is not None:
-                    compile_adamw_multi(self.table, 2)
+                    small = [
+                        self.model.embedding.embeddings[k].weight for k in ("contextual", "action")
+                    ]
+                    st = [self.tables.state["embedding." + k] for k in ("contextual", "action")]
+                    compile_adamw_multi(
+                        [p.detach() for p in small],
+                        [x["m"] for x in st],
+                        [x["v"] for x in st],
+                        rows=True,
+                    )
             del ids, rows
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:

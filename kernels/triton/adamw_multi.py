@@ -38,14 +38,16 @@ from .adamw_rows import _adamw_tile, adamw_masked_
 
 _INTERPRET: bool
 
-# the address table's columns
-_P, _G, _M, _V, _COPY, _ROWS, _STEP, _NUMEL, _WIDTH, _FIRST = range(10)
-_COLS = 10
+# the table's columns: element offsets of the parameter, gradient and moments from the launch's
+# fp32 base and of the copy from its copy base, whether there is a copy, the addresses of the row
+# marks (0: none) and of the step count, the size, the row width, the first program
+_COLS = 11
 # elements per iteration, iterations per program (a program's search and table reads are paid
 # once for CHUNK = BLOCK * ITERS elements) and warps: 1024 x 16 x 8 warps, 4 fp32 of each
-# array per thread an iteration, the fastest of the first sweep on one H200 (0.372 ms for the
-# recipe's 43M parameters with their bf16 copies; 2048 x 8: 0.726, 2048 x 1: 0.460;
-# scripts/adamw_timing.py, kernels/README.md)
+# array per thread an iteration, one 16-byte access each where the launch is aligned (60
+# registers: four programs an SM); the first sweep on one H200, before the 16-byte accesses,
+# took 0.372 ms for the recipe's 43M parameters with their bf16 copies at this tile (2048 x 8:
+# 0.726, 2048 x 1: 0.460; scripts/adamw_timing.py, kernels/README.md)
 BLOCK, ITERS, WARPS = 1024, 16, 8
 CHUNK = BLOCK * ITERS
 # host tables a captured launch reads at every replay (kept alive while the process lives)
@@ -53,53 +55,60 @@ _CAPTURED: list[torch.Tensor] = []
 _COPY_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _adamw_multi_kernel(
-    Tab, Sq, NT, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-    SEARCH: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    Tab, Sq, NT, Base, BaseC, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+    SEARCH: tl.constexpr, COPY: tl.constexpr, ALIGNED: tl.constexpr, MARKS: tl.constexpr,
+    BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):  # fmt: skip
     """Chunk `pid - first` (ITERS blocks of BLOCK elements) of the tensor whose table row holds
     the last first program at or below `pid`: its gradient's squared sum into `Sq[pid]`,
     then AdamW on its marked elements (step count already advanced), and the copy where the
-    row has one (`COPY`: 1 bf16, 2 fp16, 0 no copy in this launch)."""
+    row has one (`COPY`: 1 bf16, 2 fp16, 0 no copy in this launch). The tensors are reached
+    as offsets from `Base` (fp32) and `BaseC` (the copies' dtype), which carry the launch's
+    alignment; `ALIGNED`: every tensor of the launch starts 16-byte aligned and holds a
+    multiple of 4 elements. `MARKS`: some tensor of the launch has row marks (without, the
+    mask stays the bounds' alone, whose alignment the compiler can see)."""
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + NT
     for _ in tl.static_range(SEARCH):  # Tab[lo].first <= pid < Tab[hi].first
         mid = (lo + hi) // 2
-        go = tl.load(Tab + mid.to(tl.int64) * 10 + 9) <= pid
+        go = tl.load(Tab + mid.to(tl.int64) * 11 + 10) <= pid
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    row = Tab + lo.to(tl.int64) * 10
-    numel = tl.load(row + 7)
-    width = tl.load(row + 8)
-    marks = tl.load(row + 5)
-    copy = tl.load(row + 4)
-    P = tl.load(row).to(tl.pointer_type(tl.float32))
-    G = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    M = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    V = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    Step = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-    base = (pid - tl.load(row + 9)).to(tl.int64) * (BLOCK * ITERS)
+    row = Tab + lo.to(tl.int64) * 11
+    # ALIGNED: the offsets and the size are stored in units of 4 elements, so that the
+    # compiler knows them multiples of 4 (16-byte accesses) from the multiplication
+    UNIT: tl.constexpr = 4 if ALIGNED else 1
+    P = Base + tl.load(row) * UNIT
+    G = Base + tl.load(row + 1) * UNIT
+    M = Base + tl.load(row + 2) * UNIT
+    V = Base + tl.load(row + 3) * UNIT
+    C = BaseC + tl.load(row + 4) * UNIT
+    has_copy = tl.load(row + 5) != 0
+    marks = tl.load(row + 6)
+    Step = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 8) * UNIT
+    width = tl.load(row + 9)
+    base = (pid - tl.load(row + 10)).to(tl.int64) * (BLOCK * ITERS)
     sq = tl.full((BLOCK,), 0.0, tl.float32)
     for k in range(ITERS):
         offs = base + k * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         g = tl.load(G + offs, mask=mask, other=0.0)
         sq += g * g
-        if marks != 0:  # rows marked for the update: the others keep values and moments
-            mark = tl.load(marks.to(tl.pointer_type(tl.int8)) + offs // width, mask=mask, other=0)
-            mask = mask & (mark != 0)
+        if MARKS:  # noqa: SIM102 (the constexpr branch apart from the runtime one)
+            if marks != 0:  # rows marked for the update: the others keep values and moments
+                mark = tl.load(
+                    marks.to(tl.pointer_type(tl.int8)) + offs // width, mask=mask, other=0
+                )
+                mask = mask & (mark != 0)
         p = _adamw_tile(P + offs, M + offs, V + offs, mask, g, Step, lr, beta1, beta2,
                         log2_beta1, log2_beta2, eps, weight_decay)  # fmt: skip
         if COPY != 0:  # noqa: SIM102 (the constexpr branch apart from the runtime one)
-            if copy != 0:
-                if COPY == 1:
-                    tl.store(copy.to(tl.pointer_type(tl.bfloat16)) + offs, p.to(tl.bfloat16),
-                             mask=mask)  # fmt: skip
-                else:
-                    tl.store(copy.to(tl.pointer_type(tl.float16)) + offs, p.to(tl.float16),
-                             mask=mask)  # fmt: skip
+            if has_copy:
+                tl.store(C + offs, p.to(BaseC.dtype.element_ty), mask=mask)
     tl.store(Sq + pid, tl.reduce(sq, 0, _add))
 
 
@@ -188,21 +197,49 @@ def adamw_multi_(
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if n == 0:
         return torch.zeros((), dtype=torch.float32)
-    device = params[0].device
     if not runs_kernel(params[0]):
         return adamw_multi_reference_(
             params, grads, exp_avgs, exp_avg_sqs, steps, **hyper, rows=rows, copies=copies
         )
+    dtypes = {c.dtype for c in copies if c is not None}
+    copy_dtype = dtypes.pop() if dtypes else None
+    items = list(zip(params, grads, exp_avgs, exp_avg_sqs, steps, rows, copies, strict=True))
+    # the tensors whose every array starts 16-byte aligned and whose size is a multiple of 4
+    # (vectorised loads: one launch), and the others (a second launch, if any)
+    aligned = [_is_aligned(item) for item in items]
+    sq = None
+    for flag in (True, False):
+        group = [item for item, a in zip(items, aligned, strict=True) if a == flag]
+        if group:
+            part = _launch(group, flag, copy_dtype, hyper)
+            sq = part if sq is None else sq + part
+    return sq
+
+
+def _is_aligned(item) -> bool:
+    p, g, m, v, _, _, c = item
+    ts = (p, g, m, v) if c is None else (p, g, m, v, c)
+    return p.numel() % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _launch(items, aligned: bool, copy_dtype, hyper) -> torch.Tensor:
+    """One kernel launch over `items` (`(param, grad, exp_avg, exp_avg_sq, step, rows, copy)`
+    each); their gradients' squared sum."""
+    device = items[0][0].device
+    base = items[0][0]
+    copies = [item[6] for item in items if item[6] is not None]
+    base_c = copies[0] if copies else _dummy(device, copy_dtype or torch.bfloat16)
     table, first = [], 0
-    for p, g, m, v, s, r, c in zip(
-        params, grads, exp_avgs, exp_avg_sqs, steps, rows, copies, strict=True
-    ):
+    unit = 4 if aligned else 1  # the kernel's UNIT: offsets and sizes in units of 4 elements
+    for p, g, m, v, s, r, c in items:
         numel = p.numel()
         width = numel // p.shape[0] if p.dim() and p.shape[0] else 1
         table.append([
-            p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-            c.data_ptr() if c is not None else 0, r.data_ptr() if r is not None else 0,
-            s.data_ptr(), numel, max(width, 1), first,
+            *((t.data_ptr() - base.data_ptr()) // (4 * unit) for t in (p, g, m, v)),
+            (c.data_ptr() - base_c.data_ptr()) // (c.element_size() * unit) if c is not None
+            else 0,
+            int(c is not None), r.data_ptr() if r is not None else 0, s.data_ptr(),
+            numel // unit, max(width, 1), first,
         ])  # fmt: skip
         first += triton.cdiv(numel, CHUNK)
     programs = first
@@ -217,38 +254,74 @@ def adamw_multi_(
     else:
         tab = host
     sq = torch.empty(programs, dtype=torch.float32, device=device)
-    dtypes = {c.dtype for c in copies if c is not None}
-    copy = _COPY_DTYPES[dtypes.pop()] if dtypes else 0
-    b1, b2 = beta1, beta2
+    copy = _COPY_DTYPES[copy_dtype] if copy_dtype is not None else 0
+    b1, b2 = hyper["beta1"], hyper["beta2"]
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _adamw_multi_kernel[(programs,)](
-            tab, sq, n, lr, b1, b2,
+            tab, sq, len(items), base, base_c, hyper["lr"], b1, b2,
             math.log2(b1) if b1 > 0 else -math.inf, math.log2(b2) if b2 > 0 else -math.inf,
-            eps, weight_decay, SEARCH=_search(n), COPY=copy, BLOCK=BLOCK, ITERS=ITERS,
-            num_warps=WARPS,
+            hyper["eps"], hyper["weight_decay"], SEARCH=_search(len(items)), COPY=copy,
+            ALIGNED=aligned, MARKS=any(item[5] is not None for item in items), BLOCK=BLOCK,
+            ITERS=ITERS, num_warps=WARPS,
         )  # fmt: skip
     return sq.sum()
 
 
-def compile_adamw_multi(like: torch.Tensor, n: int, copy_dtype: torch.dtype | None = None):
-    """Compile the kernel `adamw_multi_` launches for `n` tensors like `like` (and copies of
-    `copy_dtype`) without running it: before a CUDA graph capture, which should not be where a
-    kernel is first built. A no-op where the kernel does not run compiled."""
-    if like.device.type != "cuda" or _INTERPRET or n == 0:
+_DUMMY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor of `dtype`: the copy base of a launch without copies (unread)."""
+    key = (device, dtype)
+    if key not in _DUMMY:
+        _DUMMY[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _DUMMY[key]
+
+
+def compile_adamw_multi(
+    params: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    copies: list[torch.Tensor | None] | None = None,
+    rows: bool = False,
+) -> None:
+    """Compile the kernels `adamw_multi_` launches for these tensors (`rows`: with row marks)
+    without running them: before a CUDA graph capture, which should not be where a kernel is
+    first built. The gradients, not yet made, are taken to be aligned as fresh allocations
+    are. A no-op where the kernel does not run compiled."""
+    if not params or params[0].device.type != "cuda" or _INTERPRET:
         return
-    tab = torch.zeros((n, _COLS), dtype=torch.int64, device=like.device)
-    sq = torch.empty(1, dtype=torch.float32, device=like.device)
-    copy = _COPY_DTYPES[copy_dtype] if copy_dtype is not None else 0
-    with torch.cuda.device(like.device):
-        _adamw_multi_kernel.warmup(
-            tab, sq, n, 1e-3, 0.9, 0.999, math.log2(0.9), math.log2(0.999), 1e-8, 0.0,
-            SEARCH=_search(n), COPY=copy, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS, grid=(1,),
-        )  # fmt: skip
+    device = params[0].device
+    copies = copies if copies is not None else [None] * len(params)
+    dtypes = {c.dtype for c in copies if c is not None}
+    copy = _COPY_DTYPES[dtypes.pop()] if dtypes else 0
+    items = [
+        (p, p, m, v, None, None, c)
+        for p, m, v, c in zip(params, exp_avgs, exp_avg_sqs, copies, strict=True)
+    ]
+    aligned = [_is_aligned(item) for item in items]
+    sq = torch.empty(1, dtype=torch.float32, device=device)
+    dummy = _dummy(device, torch.bfloat16 if copy != 2 else torch.float16)
+    for flag in (True, False):
+        n = sum(a == flag for a in aligned)
+        if not n:
+            continue
+        tab = torch.zeros((n, _COLS), dtype=torch.int64, device=device)
+        with torch.cuda.device(device):
+            _adamw_multi_kernel.warmup(
+                tab, sq, n, params[0], dummy, 1e-3, 0.9, 0.999, math.log2(0.9),
+                math.log2(0.999), 1e-8, 0.0, SEARCH=_search(n), COPY=copy, ALIGNED=flag,
+                MARKS=rows, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS, grid=(1,),
+            )  # fmt: skip
 
 
 def _search(n: int) -> int:
-    """The binary search's steps over `n` table rows."""
-    return max(1, math.ceil(math.log2(max(n, 1)))) + 1
+    """The binary search's steps over `n` table rows, in a few sizes (each a compiled
+    variant): enough for 8, 128 or 2048 tensors, then the exact count."""
+    for steps, most in ((4, 8), (8, 128), (12, 2048)):
+        if n <= most:
+            return steps
+    return math.ceil(math.log2(n)) + 1
 
 
 def adamw_multi_reference_(
