@@ -55,7 +55,7 @@ def _run_against_torch(device, fused, graph=False, steps=3):
     sqs = []
     runner = None
     if graph:
-        compile_adamw_multi(params[0], len(params), torch.bfloat16)
+        compile_adamw_multi(params, ms, vs, copies)
         runner = torch.cuda.CUDAGraph()
         with torch.cuda.graph(runner):
             torch._foreach_add_(steps_t, 1)
