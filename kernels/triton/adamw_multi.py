@@ -45,9 +45,10 @@ _COLS = 11
 # elements per iteration, iterations per program (a program's search and table reads are paid
 # once for CHUNK = BLOCK * ITERS elements) and warps: 1024 x 16 x 8 warps, 4 fp32 of each
 # array per thread an iteration, one 16-byte access each where the launch is aligned (60
-# registers: four programs an SM); the first sweep on one H200, before the 16-byte accesses,
-# took 0.372 ms for the recipe's 43M parameters with their bf16 copies at this tile (2048 x 8:
-# 0.726, 2048 x 1: 0.460; scripts/adamw_timing.py, kernels/README.md)
+# registers: four programs an SM). One H200, the recipe's 43M parameters with their bf16
+# copies (scripts/adamw_timing.py; torch's three passes 0.517 ms): 0.361 ms, the tiles swept
+# around it 0.354-0.381; before the 16-byte accesses 0.372 at this tile and 0.726 at 2048 x 8
+# (140 registers: one program an SM). kernels/README.md.
 BLOCK, ITERS, WARPS = 1024, 16, 8
 CHUNK = BLOCK * ITERS
 # host tables a captured launch reads at every replay (kept alive while the process lives)
