@@ -3,25 +3,32 @@
 torch's fused AdamW runs the update of a model's parameters in a few multi-tensor launches, and
 a training step then reads every gradient once more for its norm (`_foreach_norm`, a pass over
 the gradients). The data_parallel tables' masked Adam (`adamw_masked_`) is a dozen elementwise
-torch kernels per table. Here one kernel walks a table of the tensors' addresses (`[N, 10]`
-int64, one row per parameter: parameter, gradient, moments, optional low-precision copy,
-optional row marks, step count, size, row width, first program), a program per chunk of `CHUNK`
-elements in blocks of `BLOCK`: it reads a block's gradient, adds its squares to the norm's
-partial sum, and applies AdamW with the arithmetic of `adamw_rows._adamw_tile` (torch's fused
-kernel's, fp32, decoupled weight decay) where the block's rows are marked (`rows`: the other
-rows and their moments are left as they are, as `adamw_masked_`). `copies`: the updated
-parameter is also written rounded to the copy's dtype (bf16 / fp16), e.g. the operands a
-mixed-precision step's GEMMs read.
+torch kernels per table. Here one kernel walks a table of the tensors (`[N, 11]` int64, one row
+per parameter: the element offsets of the parameter, its gradient and moments from the launch's
+first parameter, of its optional low-precision copy from the first copy, whether it has one,
+the addresses of its optional row marks and of its step count, its size, its row width, its
+first program), a program per chunk of `CHUNK` elements in blocks of `BLOCK`: it reads a
+block's gradient, adds its squares to the norm's partial sum, and applies AdamW with the
+arithmetic of `adamw_rows._adamw_tile` (torch's fused kernel's, fp32, decoupled weight decay)
+where the block's rows are marked (`rows`: the other rows and their moments are left as they
+are, as `adamw_masked_`). `copies`: the updated parameter is also written rounded to the copy's
+dtype (bf16 / fp16), e.g. the operands a mixed-precision step's GEMMs read.
 
-A program finds its tensor by a binary search of the table's first-program column: no
-schedule of size `programs` is built. The table is made on the host per call and sent with
-one copy; inside a CUDA graph capture from pinned memory that stays alive with this module
-(the replays read it), so the launch is capturable, as long as the tensors' addresses are the
-ones the graph replays (a step graph's gradients are: its pool gives them the same memory).
+Offsets from a base the launch passes, not addresses, so that the compiler can know the
+alignment: where every tensor of a launch starts 16-byte aligned and holds a multiple of 4
+elements, the offsets and sizes are stored in units of 4 and the loads and stores move 16 bytes
+a thread (`ALIGNED`; 60 registers a thread where 4-byte accesses through addresses took 140,
+kernels/README.md); the other tensors go in a second launch. A program finds its tensor by a
+binary search of the table's first-program column: no schedule of size `programs` is built. The
+table is made on the host per call and sent with one copy; inside a CUDA graph capture from
+pinned memory that stays alive with this module (the replays read it), so the launch is
+capturable, as long as the tensors' addresses are the ones the graph replays (a step graph's
+gradients are: its pool gives them the same memory).
 
-Every sum runs in a fixed order (the per-block partials summed by torch), so the norm is
+Every sum runs in a fixed order (the per-program partials summed by torch), so the norm is
 deterministic. Outside CUDA and the Triton interpreter the same update runs in plain torch
-(`adamw_masked_`), the reference the tests hold the kernel to.
+(`adamw_multi_reference_`, through `adamw_masked_`), the reference the tests hold the kernel
+to.
 """
 
 from __future__ import annotations
