@@ -306,10 +306,7 @@ class StepGraphs:
         g = groups[0]
         if g["amsgrad"] or g["maximize"] or torch.is_tensor(g["lr"]) or not runs_kernel(self.table):
             return False
-        owned = {id(p) for p in g["params"]}
-        if self.tables is not None:
-            tables = self.model.embedding.embeddings
-            owned |= {id(tables[k].weight) for k in ("contextual", "action")}
+        owned = {id(p) for p in g["params"]} | {id(p) for p, _ in self._small_tables()}
         return all(id(p) in owned for p in self.params if p is not self.table)
 
     def _reduced_layout(self) -> None:
@@ -546,7 +543,6 @@ class StepGraphs:
         for p in self.params:
             if p.grad is None and p is not table:  # not reached by the loss: a zero gradient,
                 p.grad = torch.zeros_like(p)  # as the eager step
-        grads = [p.grad for p in self.params if p is not table]
         sq = self._update_table(ids, rows.grad)
         if self.tables is not None:
             ctx, act = (self.model.embedding.embeddings[k].weight for k in ("contextual", "action"))
@@ -556,9 +552,9 @@ class StepGraphs:
             sq = sq + self._update_small_tables(marks[:sink])
         if self.fused_update:  # AdamW and the norm's squares in one launch
             norm = torch.sqrt(self._update_dense() + sq)
-        else:
-            if self.tables is not None:  # the small tables' squares are counted above
-                grads = [p.grad for p in self.params if p is not table and not self._small(p)]
+        else:  # the small tables' squares are counted above
+            small = {id(p) for p, _ in self._small_tables()}
+            grads = [p.grad for p in self.params if p is not table and id(p) not in small]
             norm = torch.sqrt(torch.stack(torch._foreach_norm(grads)).square().sum() + sq)
             self.optimizer.step()  # AdamW's parameters but the item table (no .grad: skipped)
         parts = [loss.detach(), *sums.values(), norm]
@@ -658,16 +654,11 @@ class StepGraphs:
                     [self.copy_of.get(id(p)) for p in dense] if self.copies else None,
                 )  # fmt: skip
                 if self.tables is not None:
-                    small = [
-                        self.model.embedding.embeddings[k].weight for k in ("contextual", "action")
-                    ]
-                    st = [self.tables.state["embedding." + k] for k in ("contextual", "action")]
+                    small = self._small_tables()
                     compile_adamw_multi(
-                        [p.detach() for p in small],
-                        [x["m"] for x in st],
-                        [x["v"] for x in st],
-                        rows=True,
-                    )
+                        [p.detach() for p, _ in small], [st["m"] for _, st in small],
+                        [st["v"] for _, st in small], rows=True,
+                    )  # fmt: skip
             del ids, rows
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
@@ -712,13 +703,14 @@ class StepGraphs:
                 weight_decay=group["weight_decay"],
             )  # fmt: skip
 
-    def _small(self, p: torch.Tensor) -> bool:
-        """Whether `p` is one of the data_parallel small tables (updated by
-        `_update_small_tables`)."""
+    def _small_tables(self) -> list[tuple[torch.nn.Parameter, dict]]:
+        """The data_parallel small tables (contextual, then action) with their Adam state, as
+        `_update_small_tables` updates them; none without data_parallel Adam."""
         if self.tables is None:
-            return False
+            return []
         tables = self.model.embedding.embeddings
-        return any(p is tables[k].weight for k in ("contextual", "action"))
+        return [(tables[k].weight, self.tables.state["embedding." + k])
+                for k in ("contextual", "action")]  # fmt: skip
 
     def _update_small_tables(self, marks: torch.Tensor) -> torch.Tensor:
         """data_parallel Adam on the contextual and action tables (small: from their dense
@@ -727,16 +719,14 @@ class StepGraphs:
         Returns their gradients' squared norm."""
         from hstu_kernels.triton.adamw_multi import adamw_multi_
 
-        e, tables = self.tables.cfg, self.model.embedding.embeddings
-        ctx, act = tables["contextual"].weight, tables["action"].weight
-        sink = ctx.shape[0] + act.shape[0]
-        states = [self.tables.state["embedding." + k] for k in ("contextual", "action")]
+        e, small = self.tables.cfg, self._small_tables()
+        n_ctx = small[0][0].shape[0]
         with torch.no_grad():
             return adamw_multi_(
-                [ctx.detach(), act.detach()], [ctx.grad, act.grad],
-                [st["m"] for st in states], [st["v"] for st in states], [self.tables.t] * 2,
+                [p.detach() for p, _ in small], [p.grad for p, _ in small],
+                [st["m"] for _, st in small], [st["v"] for _, st in small], [self.tables.t] * 2,
                 lr=e.lr, beta1=e.beta1, beta2=e.beta2, eps=e.eps, weight_decay=e.weight_decay,
-                rows=[marks[: ctx.shape[0]], marks[ctx.shape[0] : sink]],
+                rows=[marks[:n_ctx], marks[n_ctx:]],
             )  # fmt: skip
 
     def _update_dense(self) -> torch.Tensor:
