@@ -6,7 +6,7 @@
 #                                               tune (kernel block sizes per head dim)
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
-#                                               attnprof order mtiles silu
+#                                               attnprof order mtiles silu embed
 #                                               overrides flags
 #                                               host model
 #                                               (bench_upstream, one GPU)
@@ -469,6 +469,12 @@ print('torchrec', torchrec.__version__)" ;;
           --backends $E2E_BACKENDS --simulate-ranks $w --sim-batches 6 --out /tmp/sim_w$w ${SIM_ARGS:-}
         cp /tmp/sim_w$w/e2e.json "$OUT/sim_w$w.json"
       done ;;
+    embed)
+      # the step graph's layer input in device time (the small tables' gradient sorted by id,
+      # or summed over the sources' runs: scripts/embed_timing.py), then its GPU tests
+      run embed_timing python scripts/embed_timing.py
+      run embed_gpu_tests python -m pytest -q -p no:cacheprovider -m gpu \
+        tests/unit/test_triton_embed_tokens.py tests/unit/test_torch_step_graphs.py ;;
     optim)
       # what the AdamW update costs: optax per leaf / small leaves flattened / torch fused
       run optimizer_timing python scripts/optimizer_timing.py --config bench_upstream ;;

@@ -100,8 +100,13 @@ log = logging.getLogger(__name__)
 
 TOKEN_KEYS = ("contextual", "item", "action", "candidate")  # a sample's tokens, by key
 
-# the header of the static input: int64 scalars the graph reads
-HEADER = ("item_start", "action_start", "candidate_start", "tokens", "loss_rows", "loss_tokens")
+# the header of the static input: int64 scalars the graph reads. Its first four are also the
+# small tables' runs of sources (`embed_tokens`' segments): the contextual ids at
+# [context_start = 0, item_start), the action ids at [action_start, candidate_start).
+HEADER = (
+    "context_start", "item_start", "action_start", "candidate_start", "tokens", "loss_rows",
+    "loss_tokens",
+)  # fmt: skip
 HEADER_SIZE = 8
 
 
@@ -156,7 +161,15 @@ def host_inputs(
         loss_b = n_ctx + a["target_item"] + 1
     real = loss_a.size
     header = np.zeros(HEADER_SIZE, np.int64)
-    header[: len(HEADER)] = (n_ctx, n_ctx + n_item, n_ctx + 2 * n_item, tokens, real, loss_tokens)
+    header[: len(HEADER)] = (
+        0,
+        n_ctx,
+        n_ctx + n_item,
+        n_ctx + 2 * n_item,
+        tokens,
+        real,
+        loss_tokens,
+    )
     counts = np.concatenate([a["num_contextual"], a["num_candidates"]]).view(np.int64)
     tail = np.arange(tokens, capacity, dtype=np.int64)  # padding tokens: their own rows
     inverse, dest = (np.concatenate([a[k], tail]) for k in ("inverse", "dest"))
@@ -195,6 +208,7 @@ class _Static:
         counts = counts.view(torch.int32)
         return {
             **dict(zip(HEADER, header.unbind(), strict=False)),
+            "small_runs": header[:4],
             "offsets": offsets,
             "num_contextual": counts[:r],
             "num_candidates": counts[r:],
@@ -490,13 +504,14 @@ class StepGraphs:
             small_lookups = torch.where(ctx | act, small_ids, -1)
         inverse = v["inverse"]
         # the rows in the stack's dtype and token order, from the item rows or the small
-        # tables, one kernel each way (`embed_tokens`); int32 ids: the small tables' gradient
-        # sorts them, one radix pass per key byte
+        # tables, one kernel each way (`embed_tokens`); the small tables' gradient summed over
+        # their two runs of sources (the header's), not sorted by id over the whole capacity
         from hstu_kernels.triton.embed_tokens import embed_tokens
 
+        runs = (v["small_runs"], (ctx_table.shape[0], tables["action"].weight.shape[0]))
         x = embed_tokens(
             e_item, small, small_ids.to(torch.int32), ctx | act, inverse, v["dest"],
-            model.compute_dtype,
+            model.compute_dtype, runs,
         )  # fmt: skip
         seq = {
             "offsets": v["offsets"],

@@ -18,18 +18,33 @@ five `[C, D]` passes forward (a gather, two casts, the select, the permutation) 
   and writes it to the gradient of the source it came from, zero in the other; the small
   table's gradient is then summed by id from its dense `[C, D]` part by torch's embedding
   backward (a sort, sums in a fixed order), as `small[small_ids]`'s own backward does.
+* backward with `segments` (the step graph's case: the contextual sources are one run of the
+  capacity, the action sources another, each reading its own table's rows): no dense small
+  part is written and nothing is sorted. Per run, one launch sums its sources' gradients into
+  its rows as one-hot matrix products (`_small_grad_kernel`: a program owns a tile of rows x
+  columns and walks a share of the run's sources in order); a run of few rows (the 16 action
+  rows read by ~5K tokens at batch 32) is split into up to 64 shares whose partials torch
+  sums. Where torch's embedding backward took ~10 launches over all C positions, this takes
+  one launch per run and one sum.
 
-Same values as the torch ops, bit for bit (one rounding forward, exact widening back).
+Same values as the torch ops, bit for bit (one rounding forward, exact widening back), but
+the segmented small-table gradient: the same fp32 sums in another fixed order (bit for bit
+where they are exact, `tests/unit/test_triton_embed_tokens.py`), deterministic run to run.
 `embed_tokens_reference` is that torch form (the tests' reference, and what runs on CPU
 outside the Triton interpreter).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ._common import _dot
+from ._launch import _precision
 
 # decided when the kernels were decorated (TRITON_INTERPRET=1 at import), as in _launch.py
 _INTERPRET: bool
@@ -57,7 +72,8 @@ def _embed_fwd_kernel(
 
 @triton.jit
 def _embed_bwd_kernel(
-    GX, GRows, GSmall, IsSmall, Inv, D, stride_g, stride_o, BLOCK_D: tl.constexpr
+    GX, GRows, GSmall, IsSmall, Inv, D, stride_g, stride_o, DENSE_SMALL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     tok = tl.load(Inv + s).to(tl.int64)
@@ -69,7 +85,48 @@ def _embed_bwd_kernel(
         g = tl.load(GX + tok * stride_g + cols, mask=keep).to(tl.float32)
         zero = tl.full([BLOCK_D], 0.0, tl.float32)
         tl.store(GRows + out + cols, tl.where(small, zero, g), mask=keep)
-        tl.store(GSmall + out + cols, tl.where(small, g, zero), mask=keep)
+        if DENSE_SMALL:
+            tl.store(GSmall + out + cols, tl.where(small, g, zero), mask=keep)
+
+
+@triton.jit
+def _small_grad_kernel(
+    GX, Inv, Ids, Bounds, Out, D, stride_g, stride_o, K, ROW0, ROWS, PREC: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Segment `K`'s table gradient: rows `[ROW0, ROW0 + ROWS)` summed from its sources
+    `[Bounds[2K], Bounds[2K + 1])`, source `s` adding token `Inv[s]`'s row of GX to row
+    `Ids[s]`. A program owns `BLOCK_R` rows x `BLOCK_D` columns of one of `CHUNKS` equal runs
+    of the sources and sums them in order, `BLOCK_T` at a time, as a one-hot matrix product
+    (exact products, fp32 sums); it writes `Out[chunk, row, col]` (no atomics: the same bits
+    every run)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    c0 = tl.program_id(1) * BLOCK_D
+    chunk = tl.program_id(2)
+    lo = tl.load(Bounds + 2 * K)
+    hi = tl.load(Bounds + 2 * K + 1)
+    per = tl.cdiv(hi - lo, CHUNKS)
+    start = lo + chunk * per
+    end = tl.minimum(start + per, hi)
+    rows = r0 + tl.arange(0, BLOCK_R)
+    cols = c0 + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for t in range(start, end, BLOCK_T):
+        src = t + tl.arange(0, BLOCK_T)
+        keep = src < end
+        ids = tl.load(Ids + src, mask=keep, other=-1) - ROW0
+        tok = tl.load(Inv + src, mask=keep, other=0).to(tl.int64)
+        g = tl.load(
+            GX + tok[:, None] * stride_g + cols[None, :],
+            mask=keep[:, None] & (cols < D)[None, :],
+            other=0.0,
+        )
+        # through fp32: the interpreter casts bool to bf16 as zero
+        hot = tl.where(rows[:, None] == ids[None, :], 1.0, 0.0).to(g.dtype)
+        acc += _dot(hot, g, PREC)
+    out = Out + chunk.to(tl.int64) * ROWS * stride_o
+    keep = (rows < ROWS)[:, None] & (cols < D)[None, :]
+    tl.store(out + rows[:, None] * stride_o + cols[None, :], acc, mask=keep)
 
 
 _INTERPRET = type(_embed_fwd_kernel).__name__ == "InterpretedFunction"
@@ -84,7 +141,7 @@ def embed_tokens_reference(rows, small, small_ids, is_small, perm, inv, dtype):
 
 class _EmbedTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, small, small_ids, is_small, perm, inv, dtype):
+    def forward(ctx, rows, small, small_ids, is_small, perm, inv, dtype, bounds, sizes):
         c, d = rows.shape
         x = torch.empty((c, d), dtype=dtype, device=rows.device)
         flags = is_small.view(torch.uint8)
@@ -93,26 +150,65 @@ class _EmbedTokens(torch.autograd.Function):
                 x, rows, small, small_ids, flags, perm, d, x.stride(0), rows.stride(0),
                 small.stride(0), BLOCK_D=_block_d(d), num_warps=4,
             )  # fmt: skip
-        ctx.save_for_backward(small_ids, flags, inv)
-        ctx.num_small = small.shape[0]
+        ctx.save_for_backward(small_ids, flags, inv, bounds)
+        ctx.num_small, ctx.sizes = small.shape[0], sizes
         return x
 
     @staticmethod
     def backward(ctx, gx):
-        small_ids, flags, inv = ctx.saved_tensors
+        small_ids, flags, inv, bounds = ctx.saved_tensors
         gx = gx.contiguous()
         c, d = gx.shape
+        dense = ctx.sizes is None  # the small tables' gradient summed from a dense [C, D] part
         g_rows = torch.empty((c, d), dtype=torch.float32, device=gx.device)
-        g_small = torch.empty((c, d), dtype=torch.float32, device=gx.device)
+        g_small = torch.empty((c, d), dtype=torch.float32, device=gx.device) if dense else g_rows
         if c:
             _embed_bwd_kernel[(c,)](
                 gx, g_rows, g_small, flags, inv, d, gx.stride(0), g_rows.stride(0),
-                BLOCK_D=_block_d(d), num_warps=4,
+                DENSE_SMALL=dense, BLOCK_D=_block_d(d), num_warps=4,
             )  # fmt: skip
-        g_table = torch.ops.aten.embedding_dense_backward(
-            g_small, small_ids, ctx.num_small, -1, False
+        if dense:
+            g_table = torch.ops.aten.embedding_dense_backward(
+                g_small, small_ids, ctx.num_small, -1, False
+            )
+        else:
+            g_table = _segment_sums(gx, inv, small_ids, bounds, ctx.sizes)
+        return g_rows, g_table, None, None, None, None, None, None, None
+
+
+# a segment's sources in shares of at least this many per program at full capacity (one share
+# where its rows are many: each share writes a partial of all of them)
+_SHARE = 256
+
+
+def _segment_sums(gx, inv, ids, bounds, sizes) -> torch.Tensor:
+    """The small tables' gradient `[sum(sizes), D]` fp32 from the tokens' gradient `gx`, one
+    launch per segment (`_small_grad_kernel`), its shares' partials summed by torch where it
+    has several (a fixed order: the same bits every run)."""
+    c, d = gx.shape
+    out = torch.empty((sum(sizes), d), dtype=torch.float32, device=gx.device)
+    prec = _precision(gx.dtype)
+    block_d = min(64, _block_d(d))
+    row0 = 0
+    for k, n in enumerate(sizes):
+        block_r = 16 if n <= 16 else 32 if n <= 32 else 64
+        chunks = 1 if n > 64 else max(1, min(64, c // _SHARE))
+        dst = out[row0 : row0 + n]
+        part = (
+            dst if chunks == 1 else torch.empty((chunks, n, d), dtype=out.dtype, device=out.device)
         )
-        return g_rows, g_table, None, None, None, None, None
+        grid = (triton.cdiv(n, block_r), triton.cdiv(d, block_d), chunks)
+        if n and c:
+            _small_grad_kernel[grid](
+                gx, inv, ids, bounds, part, d, gx.stride(0), d, k, row0, n, PREC=prec,
+                CHUNKS=chunks, BLOCK_R=block_r, BLOCK_T=64, BLOCK_D=block_d, num_warps=4,
+            )  # fmt: skip
+        elif n:
+            part.zero_()
+        if chunks > 1:
+            torch.sum(part, 0, out=dst)
+        row0 += n
+    return out
 
 
 def _block_d(d: int) -> int:
@@ -127,11 +223,21 @@ def embed_tokens(
     perm: torch.Tensor,
     inv: torch.Tensor,
     dtype: torch.dtype,
+    segments: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """`x [C, D]` in `dtype`, token `t` holding source row `perm[t]`: `small[small_ids[s]]`
     where `is_small[s]`, else `rows[s]` (both fp32 `[., D]`, contiguous rows); `inv` is
     `perm`'s inverse. Differentiable in `rows` and `small`; no host synchronisation (CUDA
-    graphs capture it). Outside CUDA and the Triton interpreter: the torch ops it replaces."""
+    graphs capture it). Outside CUDA and the Triton interpreter: the torch ops it replaces.
+
+    `segments = (bounds, sizes)`: where the small sources lie in runs the caller knows, the
+    small tables' gradient is summed run by run instead of by torch's sorted embedding
+    backward over all C positions (module docstring). `bounds` (a device int tensor of `2K`
+    entries, read by the kernels, so it may change between CUDA-graph replays) holds run `k`'s
+    sources `[bounds[2k], bounds[2k + 1])`, and `sizes` (K ints summing to `small`'s rows) its
+    rows: run `k`'s ids lie in `[sum(sizes[:k]), sum(sizes[:k + 1]))`. Every small source must
+    lie in a run, and every source of a run be small with an id in its rows (not checked on the
+    device: a source outside them adds nothing)."""
     for name, t in (("rows", rows), ("small", small)):
         if t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
             raise ValueError(f"embed_tokens: {name} must be fp32 [N, D] with contiguous rows")
@@ -145,6 +251,26 @@ def embed_tokens(
         )
     if is_small.dtype != torch.bool:
         raise ValueError(f"embed_tokens: is_small must be bool, got {is_small.dtype}")
+    # without segments the backward saves small_ids in bounds' place and never reads it
+    bounds, sizes = segments if segments is not None else (small_ids, None)
+    if sizes is not None:
+        sizes = tuple(int(n) for n in sizes)
+        if (
+            bounds.dtype not in (torch.int32, torch.int64)
+            or not bounds.is_contiguous()
+            or bounds.numel() != 2 * len(sizes)
+            or bounds.device != rows.device
+        ):
+            raise ValueError(
+                f"embed_tokens: segments' bounds must be a contiguous int32 / int64 tensor of "
+                f"2 x {len(sizes)} entries on {rows.device}, got {bounds.dtype} "
+                f"{tuple(bounds.shape)} on {bounds.device}"
+            )
+        if min(sizes, default=0) < 0 or sum(sizes) != small.shape[0]:
+            raise ValueError(
+                f"embed_tokens: segments' sizes {sizes} must be >= 0 and sum to small's "
+                f"{small.shape[0]} rows"
+            )
     if not (rows.is_cuda or _INTERPRET):
         return embed_tokens_reference(rows, small, small_ids, is_small, perm, inv, dtype)
-    return _EmbedTokens.apply(rows, small, small_ids, is_small, perm, inv, dtype)
+    return _EmbedTokens.apply(rows, small, small_ids, is_small, perm, inv, dtype, bounds, sizes)

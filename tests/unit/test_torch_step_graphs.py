@@ -34,7 +34,7 @@ def test_host_inputs_pad_the_layout_and_count_the_real_rows():
     ranking = host_inputs(lengths, capacity=16, loss_rows=64, task="ranking", loss_tokens=9)
     header = ranking[:HEADER_SIZE]
     # source order: contextual (3) | items (3) | actions (3) | candidates (4)
-    assert header[:6].tolist() == [3, 6, 9, 13, 4, 9]
+    assert header[:7].tolist() == [0, 3, 6, 9, 13, 4, 9]
     rows = 2
     offsets = ranking[HEADER_SIZE : HEADER_SIZE + rows + 1]
     assert offsets.tolist() == [0, 6, 13]
@@ -55,7 +55,7 @@ def test_host_inputs_pad_the_layout_and_count_the_real_rows():
     assert pos_cand[4:16].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 13, 14, 15]
     assert not pos_cand[16:].any()
     retrieval = host_inputs(lengths, capacity=16, loss_rows=64, task="retrieval", loss_tokens=1)
-    assert retrieval[4] == 1  # one target: sample 0's first event scores its second item
+    assert retrieval[5] == 1  # one target: sample 0's first event scores its second item
     query, item = retrieval[start + 16], retrieval[start + 16 + 64]
     assert (query, item) == (2, 4)  # the action token of event 0; the source row of item 1
     # the bound of the capacity and rows, whatever the batch; past it, a power of two

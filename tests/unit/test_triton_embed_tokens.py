@@ -102,3 +102,107 @@ def test_embed_tokens_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(x, want[0])
     assert torch.equal(rows.grad, want[1]) and torch.equal(small.grad, want[2])
+
+
+def _segmented(c: int, d: int, sizes: tuple[int, ...], runs: tuple[tuple[int, int], ...], seed):
+    """Inputs whose small sources lie in `runs` (source ranges), run k's ids in its `sizes[k]`
+    rows; the other sources are item rows. The gradient holds small integers, so that every
+    fp32 sum is exact in any order."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(c, d, generator=g)
+    small = torch.randn(sum(sizes), d, generator=g)
+    is_small = torch.zeros(c, dtype=torch.bool)
+    small_ids = torch.zeros(c, dtype=torch.int64)
+    for k, (lo, hi) in enumerate(runs):
+        row0 = sum(sizes[:k])
+        is_small[lo:hi] = True
+        small_ids[lo:hi] = row0 + torch.randint(0, sizes[k], (hi - lo,), generator=g)
+    perm = torch.randperm(c, generator=g)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(c)
+    grad = torch.randint(-8, 9, (c, d), generator=g).float()
+    bounds = torch.tensor([b for run in runs for b in run], dtype=torch.int64)
+    out = rows, small, small_ids.to(torch.int32), is_small, perm, inv, grad, bounds
+    return [t.to(DEVICE) for t in out]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_embed_tokens_sums_the_small_tables_run_by_run(dtype):
+    # a contextual-like run of many rows (two row tiles, one pass), an action-like run of few
+    # rows over more sources than one program takes (its partials summed after), and an empty
+    # run whose rows get zeros; 600 positions, width 48 (not a power of two)
+    sizes, runs = (70, 5, 3), ((0, 20), (150, 560), (30, 30))
+    *args, grad, bounds = _segmented(600, 48, sizes, runs, seed=3)
+    want = _run(embed_tokens_reference, *args, grad, dtype)
+
+    def fn(*a):
+        return embed_tokens(*a, segments=(bounds, sizes))
+
+    got = _run(fn, *args, grad, dtype)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert not got[2][75:].any() and got[2][70:75].abs().sum() > 0
+    # the same bits every run: fixed tiles and orders, no atomics
+    assert torch.equal(_run(fn, *args, grad, dtype)[2], got[2])
+    # gradients of any values: their sums in float64 to fp32 rounding (another order)
+    noisy = torch.randn(grad.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    got = _run(fn, *args, noisy, dtype)[2]
+    small_ids, is_small, inv = args[2], args[3], args[5]
+    terms = noisy.to(dtype).double()[inv[is_small]]  # what each small source adds
+    exact = torch.zeros(got.shape, dtype=torch.float64, device=DEVICE)
+    exact.index_add_(0, small_ids[is_small].long(), terms)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_embed_tokens_rejects_segments_that_do_not_fit():
+    rows, small, small_ids, is_small, perm, inv, _ = _inputs(8, 16, 3, 0)
+    bounds = torch.tensor([0, 4, 4, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="sum to small's 3 rows"):
+        embed_tokens(
+            *(rows, small, small_ids, is_small, perm, inv), torch.bfloat16, (bounds, (2, 2))
+        )
+    with pytest.raises(ValueError, match="2 x 3 entries"):
+        embed_tokens(
+            *(rows, small, small_ids, is_small, perm, inv), torch.bfloat16, (bounds, (1, 1, 1))
+        )
+    with pytest.raises(ValueError, match="int32 / int64"):
+        embed_tokens(
+            *(rows, small, small_ids, is_small, perm, inv), torch.bfloat16, (bounds.float(), (2, 1))
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+def test_embed_tokens_segments_replay_with_new_bounds():
+    # the recipe's shape at batch 32: 12,288 positions, 1,000 contextual and 16 action rows;
+    # one graph replayed on two batches whose runs differ (the bounds are read on the device)
+    sizes = (1000, 16)
+    first = _segmented(12288, 1024, sizes, ((0, 128), (5128, 10128)), seed=5)
+    second = _segmented(12288, 1024, sizes, ((0, 96), (4000, 11000)), seed=6)
+    static = [t.clone() for t in first]
+    rows, small = (t.clone().requires_grad_() for t in static[:2])
+    ints, grad, bounds = static[2:6], static[6].bfloat16(), static[7]
+
+    def step():
+        x = embed_tokens(rows, small, *ints, torch.bfloat16, (bounds, sizes))
+        x.backward(grad)
+        return x
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled before the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    rows.grad = small.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x = step()
+    for batch in (first, second):
+        for dst, src in zip(static[2:], batch[2:], strict=True):
+            dst.copy_(src)
+        grad.copy_(batch[6].bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        inputs = (*first[:2], *batch[2:6])  # the tables stay the first batch's
+        want = _run(embed_tokens_reference, *inputs, batch[6], torch.bfloat16)
+        assert torch.equal(x, want[0])  # integer gradients: every sum exact in any order
+        assert torch.equal(rows.grad, want[1]) and torch.equal(small.grad, want[2])
