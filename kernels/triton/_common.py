@@ -147,6 +147,32 @@ def _logits(
 
 
 @triton.jit
+def _key_tile(
+    q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
+    stride_vt, n, P, TB, alpha,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, PREC: tl.constexpr,
+    TMA: tl.constexpr,
+):  # fmt: skip
+    """The key block at ``start_n`` against the query tile ``q`` (the forward's and dq's inner
+    step): its ``k`` and ``v`` tiles, the logits ``z`` (``_logits``), the pairs' query and key
+    indices ``qi [BLOCK_M, 1]``, ``kj [1, BLOCK_N]`` and the keys' timestamps ``ts_k``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    rows = seq_start + offs_n
+    in_n = offs_n < n
+    k = _load_tile(K, start_n, rows, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
+    v = _load_tile(V, start_n, rows, in_n, stride_vt, DV, BLOCK_DV, TMA)
+    ts_k = 0
+    if HAS_TIME:
+        ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
+    qi = offs_m[:, None]
+    kj = offs_n[None, :]
+    s = _dot(q, tl.trans(k), PREC)
+    z = _logits(s, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
+    return k, v, z, qi, kj, ts_k
+
+
+@triton.jit
 def _sum1(x):
     return tl.reduce(x, 0, _add)
 

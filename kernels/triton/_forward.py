@@ -7,8 +7,8 @@ from ._common import (
     _block_start,
     _dot,
     _key_ranges,
+    _key_tile,
     _load_tile,
-    _logits,
     _num_blocks,
     _rows_desc,
     _sample_info,
@@ -31,18 +31,11 @@ def _fwd_tile(
     HAS_TIME: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
     TMA: tl.constexpr,
 ):  # fmt: skip
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    rows = seq_start + offs_n
-    in_n = offs_n < n
-    k = _load_tile(K, start_n, rows, in_n, stride_kt, DQK, BLOCK_DQK, TMA)
-    v = _load_tile(V, start_n, rows, in_n, stride_vt, DV, BLOCK_DV, TMA)
-    ts_k = 0
-    if HAS_TIME:
-        ts_k = _ts_load(Ts, rows, in_n, ts_lo, HAS_TIME)[None, :]
-    qi = offs_m[:, None]
-    kj = offs_n[None, :]
-    s = _dot(q, tl.trans(k), PREC)
-    z = _logits(s, qi, kj, ts_q, ts_k, RabPos, RabTime, P, TB, alpha, HAS_POS, HAS_TIME)
+    k, v, z, qi, kj, _ = _key_tile(
+        q, offs_m, ts_q, ts_lo, start_n, K, V, Ts, RabPos, RabTime, seq_start, stride_kt,
+        stride_vt, n, P, TB, alpha, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N, HAS_POS, HAS_TIME,
+        PREC, TMA,
+    )  # fmt: skip
     p = z * _sigmoid(z, FAST)
     if MASKED:
         p = tl.where(_visible(qi, kj, n, hist_end, C, HAS_CTX), p, 0.0)
