@@ -211,6 +211,31 @@ def _segment_sums(gx, inv, ids, bounds, sizes) -> torch.Tensor:
     return out
 
 
+def _check_segments(small_ids, is_small, bounds, sizes) -> None:
+    """Raise unless the small sources are exactly the runs' sources, each with an id in its
+    run's rows (`embed_tokens`' contract for `segments`)."""
+    covered = torch.zeros_like(is_small)
+    row0, b = 0, bounds.tolist()
+    for k, n in enumerate(sizes):
+        lo, hi = b[2 * k], b[2 * k + 1]
+        if not 0 <= lo <= hi <= is_small.numel():
+            raise ValueError(f"embed_tokens: run {k}'s sources [{lo}, {hi}) are not in the rows")
+        ids = small_ids[lo:hi].long()
+        if (
+            covered[lo:hi].any()
+            or not is_small[lo:hi].all()
+            or not (((ids >= row0) & (ids < row0 + n)).all())
+        ):
+            raise ValueError(
+                f"embed_tokens: run {k}'s sources [{lo}, {hi}) must be small, in no other run, "
+                f"with ids in its rows [{row0}, {row0 + n})"
+            )
+        covered[lo:hi] = True
+        row0 += n
+    if (is_small & ~covered).any():
+        raise ValueError("embed_tokens: a small source lies in no run of `segments`")
+
+
 def _block_d(d: int) -> int:
     return min(1024, triton.next_power_of_2(max(d, 16)))
 
@@ -236,8 +261,9 @@ def embed_tokens(
     entries, read by the kernels, so it may change between CUDA-graph replays) holds run `k`'s
     sources `[bounds[2k], bounds[2k + 1])`, and `sizes` (K ints summing to `small`'s rows) its
     rows: run `k`'s ids lie in `[sum(sizes[:k]), sum(sizes[:k + 1]))`. Every small source must
-    lie in a run, and every source of a run be small with an id in its rows (not checked on the
-    device: a source outside them adds nothing)."""
+    lie in a run, and every source of a run be small with an id in its rows: checked where the
+    inputs are on the CPU (ValueError), not on a GPU, where it would wait for the device (there
+    a source outside the runs adds nothing)."""
     for name, t in (("rows", rows), ("small", small)):
         if t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
             raise ValueError(f"embed_tokens: {name} must be fp32 [N, D] with contiguous rows")
@@ -271,6 +297,8 @@ def embed_tokens(
                 f"embed_tokens: segments' sizes {sizes} must be >= 0 and sum to small's "
                 f"{small.shape[0]} rows"
             )
+        if not rows.is_cuda:  # on the host the runs are checked (on a GPU: a sync, so not)
+            _check_segments(small_ids, is_small, bounds, sizes)
     if not (rows.is_cuda or _INTERPRET):
         return embed_tokens_reference(rows, small, small_ids, is_small, perm, inv, dtype)
     return _EmbedTokens.apply(rows, small, small_ids, is_small, perm, inv, dtype, bounds, sizes)

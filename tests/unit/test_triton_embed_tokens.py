@@ -164,6 +164,14 @@ def test_embed_tokens_rejects_segments_that_do_not_fit():
         embed_tokens(
             *(rows, small, small_ids, is_small, perm, inv), torch.bfloat16, (bounds, (1, 1, 1))
         )
+    *args, _, bounds = _segmented(40, 16, (5, 3), ((0, 6), (20, 30)), seed=1)
+    if DEVICE == "cpu":  # the runs themselves checked on the host only (on a GPU: a sync)
+        with pytest.raises(ValueError, match="ids in its rows"):  # the runs' tables swapped
+            embed_tokens(*args, torch.float32, (bounds, (3, 5)))
+        with pytest.raises(ValueError, match="a small source lies in no run"):
+            embed_tokens(*args, torch.float32, (torch.tensor([0, 6, 20, 29]), (5, 3)))
+        with pytest.raises(ValueError, match="must be small"):
+            embed_tokens(*args, torch.float32, (torch.tensor([0, 7, 20, 30]), (5, 3)))
     with pytest.raises(ValueError, match="int32 / int64"):
         embed_tokens(
             *(rows, small, small_ids, is_small, perm, inv), torch.bfloat16, (bounds.float(), (2, 1))
