@@ -96,21 +96,22 @@ def _small_grad_kernel(
 ):  # fmt: skip
     """Segment `K`'s table gradient: rows `[ROW0, ROW0 + ROWS)` summed from its sources
     `[Bounds[2K], Bounds[2K + 1])`, source `s` adding token `Inv[s]`'s row of GX to row
-    `Ids[s]`. A program owns `BLOCK_R` rows x `BLOCK_D` columns of one of `CHUNKS` equal runs
+    `Ids[s]`. A program owns `BLOCK_R` rows x `BLOCK_D` columns of one of `CHUNKS` equal shares
     of the sources and sums them in order, `BLOCK_T` at a time, as a one-hot matrix product
     (exact products, fp32 sums); it writes `Out[chunk, row, col]` (no atomics: the same bits
-    every run)."""
+    every run). Core `tl` builtins only (`tl.full`, no `tl.zeros` / `tl.cdiv`), as
+    linear_silu.py explains."""
     r0 = tl.program_id(0) * BLOCK_R
     c0 = tl.program_id(1) * BLOCK_D
     chunk = tl.program_id(2)
     lo = tl.load(Bounds + 2 * K)
     hi = tl.load(Bounds + 2 * K + 1)
-    per = tl.cdiv(hi - lo, CHUNKS)
+    per = (hi - lo + CHUNKS - 1) // CHUNKS
     start = lo + chunk * per
     end = tl.minimum(start + per, hi)
     rows = r0 + tl.arange(0, BLOCK_R)
     cols = c0 + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
     for t in range(start, end, BLOCK_T):
         src = t + tl.arange(0, BLOCK_T)
         keep = src < end
