@@ -15,9 +15,16 @@ here fixes the capacities from the config before training:
   the largest, the last of the `num_buckets` programs in practice, and every batch fits.
 
 `capacity(n)` is the smallest capacity holding `n`. The expected padding falls as buckets are
-added (`hstu bench e2e` reports it as `padding_waste`). A prepared dataset draws its samples'
-sizes from the dataset itself (`from_prepared`); other sources, whose lengths nothing
-describes, use geometric buckets (`ratio`). `for_source` picks among the three.
+added (`hstu bench e2e` reports it as `padding_waste`); each bucket is one more program. How
+many: `train.capacity_buckets`, or, at 0, the backend's own (`BACKEND_BUCKETS`): a JAX program
+is a compile of seconds and issue 13 bounds a run at 8, a torch CUDA graph a capture of ~0.2 s
+(32: 3.0 % padding at `bench_upstream`'s batch 32 against 12.5 % with 8, +4 % TFLOP/s on an
+H200, docs/BENCHMARKS.md). Packed batches (`data.pack_window`, built before a backend is
+chosen) fill `NEUTRAL_BUCKETS` capacities in both, padding ~1.4 % with them.
+
+A prepared dataset draws its samples' sizes from the dataset itself (`from_prepared`); other
+sources, whose lengths nothing describes, use geometric buckets (`ratio`). `for_source` picks
+among the three.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import numpy as np
 from hstu.errors import HSTUError
 
 ALIGN = 256  # capacities are multiples of this (kernel tiles, and fewer distinct shapes)
+# `train.capacity_buckets=0`: the buckets of each backend, and of callers that name none
+BACKEND_BUCKETS = {"jax": 8, "torch": 32}
+NEUTRAL_BUCKETS = 8
 
 
 @dataclass(frozen=True)
@@ -175,13 +185,25 @@ def _fitted(cfg, draw, num_contextual, num_buckets, num_draws, seed) -> Capacity
     return CapacityPolicy(optimal_buckets(maxima, num_buckets - 1))
 
 
-def for_source(cfg, source=None) -> CapacityPolicy:
-    """The policy for the samples a run reads: `train.capacity_buckets` capacities drawn from
-    the config when they are the config's synthetic samples, from the dataset when they are a
-    prepared dataset (either also behind wrappers that keep the original as `.inner`),
+def bucket_count(cfg, backend: str | None = None) -> int:
+    """`train.capacity_buckets`, or at 0 `backend`'s own (`NEUTRAL_BUCKETS` for None)."""
+    if cfg.train.capacity_buckets:
+        return cfg.train.capacity_buckets
+    if backend is None:
+        return NEUTRAL_BUCKETS
+    if backend not in BACKEND_BUCKETS:
+        raise HSTUError(f"capacity policy: unknown backend {backend!r} (torch or jax)")
+    return BACKEND_BUCKETS[backend]
+
+
+def for_source(cfg, source=None, backend: str | None = None) -> CapacityPolicy:
+    """The policy for the samples a run reads: `bucket_count(cfg, backend)` capacities drawn
+    from the config when they are the config's synthetic samples, from the dataset when they
+    are a prepared dataset (either also behind wrappers that keep the original as `.inner`),
     geometric buckets up to the largest possible batch otherwise. Packed samples
     (`data.pack_window`) fill the capacities they were packed to, unless the balancer
-    re-partitions them (W > 1)."""
+    re-partitions them (W > 1). `backend`: the one whose programs pad to these capacities
+    (None: the data pipeline's, `block_policy`)."""
     from hstu.data.loader import find_source
     from hstu.data.packing import PackedSource
     from hstu.data.prepared import PreparedDataset
@@ -190,7 +212,7 @@ def for_source(cfg, source=None) -> CapacityPolicy:
     packed = find_source(source, PackedSource)
     if packed is not None and not (cfg.balance.shuffler == "balanced" and cfg.dist.world_size > 1):
         return packed.policy
-    buckets = cfg.train.capacity_buckets
+    buckets = bucket_count(cfg, backend)
     if source is None:
         return from_config(cfg, buckets)
     source = find_source(source, (SyntheticSamples, PreparedDataset))

@@ -23,6 +23,9 @@ import yaml
 
 from hstu.errors import HSTUError
 
+# `train.capacity_buckets` at most (torch keeps up to 64 graphs, `torch_backend.graphs`)
+MAX_CAPACITY_BUCKETS = 48
+
 
 def _opt(default: Any, doc: str) -> Any:
     """A config field with its one-line description."""
@@ -257,10 +260,13 @@ class TrainConfig:
         "step (the run pays the longest compile, not their sum; no effect in torch)",
     )
     capacity_buckets: int = _opt(
-        8,
+        0,
         "token capacities a run's static-shape steps pad to (jax: one compiled step program "
         "each; torch with train.cuda_graphs: one graph each), fitted to the batches the data "
-        "config draws (hstu/capacity.py): more pad less and build more programs; 2 to 32",
+        "config draws (hstu/capacity.py): more pad less and build more programs; 2 to 48, or "
+        "0: the backend's own, 8 in jax (a program is a compile of seconds), 32 in torch (a "
+        "graph is a capture of ~0.2 s; +4 percent at bench_upstream's batch 32 on an H200, "
+        "docs/BENCHMARKS.md); packed batches (data.pack_window) fill 8",
     )
     metrics_lag: int = _opt(
         1,
@@ -287,9 +293,11 @@ class TrainConfig:
             p + "metrics_lag", self.metrics_lag, "must be an int from 1 to 3",
         )  # fmt: skip
         _check(
-            isinstance(self.capacity_buckets, int) and 2 <= self.capacity_buckets <= 32,
+            isinstance(self.capacity_buckets, int)
+            and (self.capacity_buckets == 0 or 2 <= self.capacity_buckets <= MAX_CAPACITY_BUCKETS),
             p + "capacity_buckets", self.capacity_buckets,
-            "must be an int from 2 to 32 (torch graphs past 32 shapes run eagerly)",
+            f"must be 0 (the backend's own) or an int from 2 to {MAX_CAPACITY_BUCKETS} (torch's "
+            "graphs past 64 shapes run eagerly)",
         )  # fmt: skip
         for name in ("beta1", "beta2"):
             value = getattr(self, name)

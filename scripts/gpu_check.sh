@@ -382,8 +382,10 @@ print('torchrec', torchrec.__version__)" ;;
       done ;;
     e2e)
       # bench_upstream at W=1: the step against its work (batch 8 / 32 / 64 and fixed 2,000-event
-      # histories); the breakdown at batch 32
-      E2E="python -m hstu.cli bench e2e --config bench_upstream --shufflers identity --steps 30"
+      # histories); the breakdown at batch 32; $E2E_STEPS steps a run (default 30; torch's 32
+      # capacities capture a graph on ~a third of 30 steps, which the medians leave out)
+      E2E="python -m hstu.cli bench e2e --config bench_upstream --shufflers identity"
+      E2E="$E2E --steps ${E2E_STEPS:-30}"
       E2E="$E2E --backends $E2E_BACKENDS"
       for b in 8 32 64; do
         probe=0; [ $b = 32 ] && probe="15 --breakdown"

@@ -46,7 +46,9 @@ def simulate(cfg, backend: str, world: int, num_batches: int, warmup: int = 1) -
     source = source_from_config(cfg)
     loader = DataLoader(source, cfg.data.batch_size, world, range(world))
     # each split as a W-rank run of it pads its ranks: the capacities fitted for that run
-    policies = {name: run_policy(cfg, world, name, source) for name in ("identity", "balanced")}
+    policies = {
+        name: run_policy(cfg, world, name, source, backend) for name in ("identity", "balanced")
+    }
     rows = []
     for i in range(warmup + num_batches):
         batches = next(loader)
@@ -68,11 +70,13 @@ def simulate(cfg, backend: str, world: int, num_batches: int, warmup: int = 1) -
     return summarize(rows, update_s, backend, world, timer.device_name)
 
 
-def run_policy(cfg, world: int, shuffler: str, source) -> CapacityPolicy:
-    """The capacity policy of a `world`-rank run of `cfg` with `shuffler`."""
+def run_policy(
+    cfg, world: int, shuffler: str, source, backend: str | None = None
+) -> CapacityPolicy:
+    """The capacity policy of a `world`-rank run of `cfg` with `shuffler` on `backend`."""
     tree = cfg.to_dict()
     tree["dist"]["world_size"], tree["balance"]["shuffler"] = world, shuffler
-    return for_source(config_from_dict(tree), source)
+    return for_source(config_from_dict(tree), source, backend)
 
 
 def summarize(rows: list[dict], update_s: float, backend: str, world: int, device: str) -> dict:

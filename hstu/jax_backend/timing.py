@@ -169,7 +169,7 @@ class LocalTimer:
 
         self.device = device or jax.devices()[0]
         self.cfg, self.repeats = cfg, repeats
-        self.policy = for_source(cfg)  # the token capacities a run of `cfg` pads to
+        self.policy = for_source(cfg, backend="jax")  # the capacities a run of `cfg` pads to
         self.mesh = col.make_mesh([self.device])
         cpu = self.device.platform == "cpu"
         sharded, seed = cfg.embedding.sharded, cfg.train.seed

@@ -671,7 +671,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
         state = init_state(params, optimizer, mesh, tc.seed)
         step_fn = make_train_step(model, optimizer, mesh)
     source = source if source is not None else source_from_config(cfg)
-    policy = capacity.for_source(cfg, source)
+    policy = capacity.for_source(cfg, source, "jax")
     backend = JaxBackend(
         JaxShuffler(
             mesh,

@@ -43,7 +43,7 @@ from hstu.torch_backend.model import run_stack
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPHS = 32  # beyond this, a new shape runs eagerly (the policy gives ~8 capacities)
+MAX_GRAPHS = 64  # beyond this, a new shape runs eagerly (the policy gives up to 48 capacities)
 
 
 def check_cuda_graphs(cfg, device_type: str) -> None:

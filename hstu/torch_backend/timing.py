@@ -127,7 +127,7 @@ class LocalTimer:
         self.model = HSTUModel(cfg.model, self.device)
         self.model.load_params(init_params(cfg.model, cfg.train.seed))
         self.model.train()
-        self.policy = for_source(cfg)  # the token capacities a run of `cfg` pads to
+        self.policy = for_source(cfg, backend="torch")  # the capacities a run of `cfg` pads to
         if cfg.train.cuda_graphs and self.device.type == "cuda":  # time what the run replays
             from hstu.torch_backend.graphs import GraphedStack
 

@@ -384,5 +384,5 @@ def run_rank(
     check_shuffler(cfg.balance.shuffler)
     source = source if source is not None else source_from_config(cfg)
     if cfg.train.cuda_graphs:
-        backend.use_cuda_graphs(capacity.for_source(cfg, source))
+        backend.use_cuda_graphs(capacity.for_source(cfg, source, "torch"))
     return trainer.train(cfg, backend, checkpointer, source, "torch", on_step)

@@ -88,8 +88,8 @@ def test_the_policy_follows_the_source(demo_cfg):
 def test_capacity_buckets_set_how_many_capacities_a_run_pads_to():
     """`train.capacity_buckets`: the run's capacities (programs, graphs) for its source; more
     of them pad the bench_upstream batches less (the first 100 W=1 batch-32 steps: 12.3 %
-    with 8, 6.0 % with 16; over 500, 12.5 % and 5.7 %); outside 2..32 the config names the
-    key."""
+    with 8, 6.0 % with 16; over 500, 12.5 % and 5.7 %); outside 0 and 2..48 the config names
+    the key."""
     from hstu.errors import HSTUError
 
     pads, tokens = {}, None
@@ -105,6 +105,34 @@ def test_capacity_buckets_set_how_many_capacities_a_run_pads_to():
             tokens = np.array([next(loader)[0].num_real_tokens() for _ in range(100)])
         pads[buckets] = np.mean([policy.capacity(int(t)) / t - 1 for t in tokens])
     assert 0.10 < pads[8] < 0.15 and pads[16] < 0.065
-    for bad in (1, 33):
+    for bad in (-1, 1, 49):
         with pytest.raises(HSTUError, match="train.capacity_buckets"):
             load_config("demo", [f"train.capacity_buckets={bad}"])
+
+
+def test_capacity_buckets_zero_is_each_backends_own():
+    """`train.capacity_buckets=0` (the default): 32 capacities for torch's graphs, 8 for jax's
+    compiled programs and for callers naming no backend (packing); a value set applies to
+    both. torch's 32 pad the bench_upstream batches about a quarter as much (the first 100
+    W=1 batch-32 steps: 3-4 % against 12 %)."""
+    from hstu.errors import HSTUError
+
+    cfg = load_config("bench_upstream", ["dist.world_size=1"])
+    assert cfg.train.capacity_buckets == 0
+    source = source_from_config(cfg)
+    torch_policy = capacity.for_source(cfg, source, "torch")
+    assert torch_policy == capacity.from_config(cfg, num_buckets=32)
+    for backend in ("jax", None):
+        assert capacity.for_source(cfg, source, backend) == capacity.from_config(cfg)
+    loader = DataLoader(source, cfg.data.batch_size, 1, [0])
+    tokens = np.array([next(loader)[0].num_real_tokens() for _ in range(100)])
+    pads = {
+        name: np.mean([policy.capacity(int(t)) / t - 1 for t in tokens])
+        for name, policy in (("torch", torch_policy), ("jax", capacity.from_config(cfg)))
+    }
+    assert pads["torch"] < 0.045 and pads["jax"] > 0.10
+    cfg.train.capacity_buckets = 12  # set: the same for both backends
+    assert capacity.bucket_count(cfg, "torch") == capacity.bucket_count(cfg, "jax") == 12
+    cfg.train.capacity_buckets = 0
+    with pytest.raises(HSTUError, match="unknown backend 'mx'"):
+        capacity.bucket_count(cfg, "mx")

@@ -116,10 +116,14 @@ def test_the_run_pads_to_the_capacities_it_packed_to_unless_the_balancer_splits(
     demo_cfg.balance.shuffler = "identity"  # W=4: identity splits blocks of batch_size
     source = CheckedSource(source_from_config(demo_cfg))
     packed = find_packed(source)
-    assert capacity.for_source(demo_cfg, source) == packed.policy
+    for backend in (None, "torch", "jax"):  # packed to 8 capacities for either backend
+        assert capacity.for_source(demo_cfg, source, backend) == packed.policy
     assert packed.policy == capacity.block_policy(demo_cfg, packed.inner)
     demo_cfg.balance.shuffler = "balanced"
     assert capacity.for_source(demo_cfg, source) == capacity.from_config(demo_cfg)
+    # re-partitioned: the backend's own capacities (torch's graphs 32, jax's programs 8)
+    got = capacity.for_source(demo_cfg, source, "torch")
+    assert got == capacity.from_config(demo_cfg, num_buckets=32)
 
 
 @pytest.mark.parametrize("batch,window", [(8, 12), (4, 10), (4, 4)])
