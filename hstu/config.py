@@ -23,7 +23,8 @@ import yaml
 
 from hstu.errors import HSTUError
 
-# `train.capacity_buckets` at most (torch keeps up to 64 graphs, `torch_backend.graphs`)
+# `train.capacity_buckets` at most: room for the growth past them under torch's graph limit
+# (`torch_backend.graphs.MAX_GRAPHS`), so a run's shapes all replay
 MAX_CAPACITY_BUCKETS = 48
 
 
@@ -296,8 +297,7 @@ class TrainConfig:
             isinstance(self.capacity_buckets, int)
             and (self.capacity_buckets == 0 or 2 <= self.capacity_buckets <= MAX_CAPACITY_BUCKETS),
             p + "capacity_buckets", self.capacity_buckets,
-            f"must be 0 (the backend's own) or an int from 2 to {MAX_CAPACITY_BUCKETS} (torch's "
-            "graphs past 64 shapes run eagerly)",
+            f"must be 0 (the backend's own) or an int from 2 to {MAX_CAPACITY_BUCKETS}",
         )  # fmt: skip
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
