@@ -486,7 +486,8 @@ print('torchrec', torchrec.__version__)" ;;
       # ($PROFILE_BATCHES), overrides $PROFILE_ARGS; PROFILE_HLO=1: jax kernels named by their
       # fusion in the optimized HLO; PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all);
       # PROFILE_TAG: a suffix for the logs (two profiles of one call, other $PROFILE_ARGS). The
-      # traces stay on the machine (/tmp/hstu-traces).
+      # traces stay on the machine (/tmp/hstu-traces); every device event of the traced steps
+      # in order comes back ($OUT/seq_<backend>_b<batch>.txt)
       for backend in ${PROFILE_BACKENDS:-torch jax}; do
         for b in ${PROFILE_BATCHES:-32}; do
           run "profile_${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG}" \
@@ -494,6 +495,7 @@ print('torchrec', torchrec.__version__)" ;;
             python scripts/profile_step.py --backend $backend --config bench_upstream \
             --steps ${PROFILE_STEPS:-40} --profile-at ${PROFILE_AT:-32} --profile-steps 3 \
             --top ${PROFILE_TOP:-25} ${PROFILE_HLO:+--hlo} --world ${PROFILE_WORLD:-1} \
+            --sequence "$OUT/seq_${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG}.txt" \
             data.batch_size=$b ${PROFILE_ARGS:-}
         done
       done ;;

@@ -1,7 +1,8 @@
 """Where a training step's time goes: torch.profiler / jax.profiler over a few steps.
 
     python scripts/profile_step.py --backend {torch,jax} --config bench_upstream \
-        [--steps 14] [--profile-at 10] [--profile-steps 2] [--world W] [key=value ...]
+        [--steps 14] [--profile-at 10] [--profile-steps 2] [--world W] [--sequence FILE] \
+        [key=value ...]
 
 Trains through the core trainer (`hstu.trainer.train`, the backend's own Backend), traces steps
 `profile-at ... profile-at + profile-steps - 1`, and prints: the per-step host times, the top
@@ -166,6 +167,11 @@ def main(argv=None):
         help="ranks, one GPU each (torch: W processes, rank 0 traced, the others training "
         "beside it; jax: a mesh of W devices in this process, all traced)",
     )
+    p.add_argument(
+        "--sequence",
+        help="write every device event of the traced steps in order to this file "
+        "(`hstu.bench.trace.kernel_sequence`: start, duration, idle before, name)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "/tmp")
@@ -228,6 +234,12 @@ def main(argv=None):
     print("step ms:", " ".join(f"{t:.1f}" for t in times))
     print(f"median after 3: {statistics.median(times[3:]):.2f} ms; profiled {first}..{last}")
     summarize_trace(trace, last - first + 2, top=args.top, hlo_dir=hlo_dir)
+    if args.sequence:
+        from hstu.bench import trace as tr
+
+        with open(args.sequence, "w") as f:
+            f.write("\n".join(tr.kernel_sequence(tr.load(trace))) + "\n")
+        print(f"kernel sequence: {args.sequence}")
 
 
 def _train_torch(cfg, hook, world: int = 1):

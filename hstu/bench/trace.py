@@ -161,6 +161,29 @@ def short_kernels(
     return out
 
 
+def kernel_sequence(events: list[dict], max_lines: int = 4000) -> list[str]:
+    """Every device event of the trace in start order, one line each: its start (ms from the
+    first), duration and the idle time before it (us, 0 where it overlaps the one before),
+    and its short name. What a fusion would remove reads off in order: a layer's launches,
+    their sizes and the gaps between them (the per-name totals of `kernel_classes` lose it)."""
+    names = names_of(events)
+    device = sorted(
+        (float(e["ts"]), float(e["dur"]), str(e.get("name", "")))
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and is_device_event(e, names)
+    )
+    if not device:
+        return []
+    t0, end = device[0][0], device[0][0]
+    out = [f"{'ms':>9} {'us':>8} {'gap us':>7}  kernel"]
+    for ts, dur, name in device[:max_lines]:
+        out.append(
+            f"{(ts - t0) / 1e3:9.3f} {dur:8.1f} {max(ts - end, 0.0):7.1f}  {short_name(name)[:110]}"
+        )
+        end = max(end, ts + dur)
+    return out
+
+
 def _union(spans: list[tuple[float, float, str]]) -> list[list]:
     """Merged busy intervals `[start, end, first event's name, name of the event ending last]`."""
     out: list[list] = []

@@ -267,3 +267,14 @@ def test_short_name_puts_what_tells_torch_kernels_apart_first():
     assert tr.short_name(name).startswith("vectorized_elementwise_kernel<4, where_kernel_impl(")
     assert "BFloat16, BFloat16" in tr.short_name(name)
     assert tr.short_name("loop_add_fusion_3") == "loop_add_fusion_3"
+
+
+def test_kernel_sequence_lists_device_events_in_order_with_the_idle_time_before_each():
+    lines = tr.kernel_sequence(_torch_like())
+    rows = [line.split(None, 3) for line in lines[1:]]
+    # host events are left out; the graph's kernel overlaps the gemm (no gap before it)
+    assert [r[3] for r in rows] == ["gemm", "graphed", "attn", "memcpy", "adamw", "next"]
+    assert [float(r[0]) for r in rows] == [0.0, 0.05, 0.4, 0.5, 0.555, 1.0]
+    assert [float(r[1]) for r in rows] == [100, 100, 100, 50, 45, 200]
+    assert [float(r[2]) for r in rows] == [0, 0, 250, 0, 5, 400]
+    assert tr.kernel_sequence([_meta(1, "python")]) == []
