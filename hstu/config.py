@@ -283,12 +283,23 @@ class TrainConfig:
         "else the HSTU stack; stack = the stack only",
     )
 
+    cublas_workspace: str = _opt(
+        "auto",
+        "torch on CUDA: cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG, which cuBLAS reads once "
+        "per process, at its first GEMM; a value already in the environment wins): none = no "
+        "workspace, so cuBLAS picks GEMM kernels that need no zeroed scratch and a captured "
+        "step loses the memset node it held before every bf16-output GEMM (the GEMMs as fast, "
+        "docs/BENCHMARKS.md); torch = torch's default; auto = none with train.cuda_graphs, "
+        "else torch's (no effect in jax)",
+    )
+
     def validate(self) -> None:
         p = "train."
         _positive(self, p, "steps", "lr", "log_every", "keep_checkpoints", "eps")
         _positive(self, p, "checkpoint_every", "weight_decay", "peak_tflops", allow_zero=True)
         _positive(self, p, "watchdog_s", "eval_every", allow_zero=True)
         _one_of(p + "graph_scope", self.graph_scope, ("auto", "stack"))
+        _one_of(p + "cublas_workspace", self.cublas_workspace, ("auto", "none", "torch"))
         _check(
             isinstance(self.metrics_lag, int) and 1 <= self.metrics_lag <= 3,
             p + "metrics_lag", self.metrics_lag, "must be an int from 1 to 3",

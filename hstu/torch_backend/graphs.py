@@ -31,6 +31,7 @@ CPU tests) the same padded stack runs eagerly, which checks the padding.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,25 @@ def check_cuda_graphs(cfg, device_type: str) -> None:
             f"train.cuda_graphs=true needs CUDA devices; this run uses {device_type} "
             "(set train.cuda_graphs=false)"
         )
+
+
+CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+NO_WORKSPACE = ":0:0"  # no bytes, no buffers: cuBLAS's kernels that need no scratch
+
+
+def set_cublas_workspace(cfg, device_type: str) -> str | None:
+    """`train.cublas_workspace` for this process, before its first GEMM (cuBLAS reads the
+    variable once, when torch makes its first workspace). With a workspace cuBLAS runs the
+    recipe's bf16-output GEMMs as kernels whose scheduler needs zeroed scratch: in a CUDA graph
+    each follows a ~1 us memset node and starts 2-4 us after it; without one it picks kernels
+    of the same speed that need none (`scripts/gemm_memsets.py`). A value the environment
+    already holds is left alone. Returns the variable's value after (None: unset)."""
+    choice = cfg.train.cublas_workspace
+    if choice == "auto":
+        choice = "none" if cfg.train.cuda_graphs else "torch"
+    if device_type == "cuda" and choice == "none":
+        os.environ.setdefault(CUBLAS_WORKSPACE_ENV, NO_WORKSPACE)
+    return os.environ.get(CUBLAS_WORKSPACE_ENV)
 
 
 class _Stack(nn.Module):

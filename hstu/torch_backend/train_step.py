@@ -35,7 +35,7 @@ from hstu.torch_backend import collectives
 from hstu.torch_backend.attention import shared_schedules
 from hstu.torch_backend.checkpoint import TrainCheckpointer
 from hstu.torch_backend.grad_sync import GradBuckets, RowMarks, TouchedRowsReduce
-from hstu.torch_backend.graphs import GraphedStack, check_cuda_graphs
+from hstu.torch_backend.graphs import GraphedStack, check_cuda_graphs, set_cublas_workspace
 from hstu.torch_backend.model import HSTUModel
 from hstu.torch_backend.sharding import EMBEDDING_PREFIX, shard_tables, table_features
 from hstu.torch_backend.shuffler import TorchShuffler, check_shuffler
@@ -369,6 +369,7 @@ def run_rank(
     `on_step(step, metrics)`: called on each logged step's metrics (`hstu.trainer.train`)."""
     # TorchRec's modules trip a one-time torch.fx deprecation notice on every rank: noise here.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    set_cublas_workspace(cfg, torch.device(device).type)  # before the rank's first GEMM
     torch.manual_seed(rank_seed(cfg.train.seed, rank))
     backend = TorchBackend(cfg, rank, world_size, device, group)
     checkpointer = TrainCheckpointer(

@@ -4,6 +4,8 @@ alternating capacities train as the eager model does."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -78,6 +80,38 @@ def test_cuda_graphs_without_cuda_is_a_config_error(tmp_path):
     )
     with pytest.raises(HSTUError, match="train.cuda_graphs=true needs CUDA"):
         train(cfg)
+
+
+@pytest.mark.parametrize(
+    ("choice", "graphs", "device", "before", "after"),
+    [
+        ("auto", True, "cuda", None, ":0:0"),  # graphs: no workspace
+        ("auto", False, "cuda", None, None),  # eager: torch's default
+        ("none", False, "cuda", None, ":0:0"),
+        ("torch", True, "cuda", None, None),
+        ("auto", True, "cpu", None, None),  # no cuBLAS: nothing set
+        ("none", True, "cuda", ":4096:8", ":4096:8"),  # the environment's value wins
+    ],
+)
+def test_cublas_workspace_is_set_for_graphed_runs_unless_the_environment_has_one(
+    monkeypatch, choice, graphs, device, before, after
+):
+    from hstu.torch_backend.graphs import CUBLAS_WORKSPACE_ENV, set_cublas_workspace
+
+    if before is None:
+        monkeypatch.delenv(CUBLAS_WORKSPACE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CUBLAS_WORKSPACE_ENV, before)
+    cfg = load_config(
+        DEMO_CONFIG, [f"train.cublas_workspace={choice}", f"train.cuda_graphs={graphs}"]
+    )
+    assert set_cublas_workspace(cfg, device) == after
+    assert os.environ.get(CUBLAS_WORKSPACE_ENV) == after
+
+
+def test_cublas_workspace_takes_auto_none_or_torch():
+    with pytest.raises(HSTUError, match="cublas_workspace"):
+        load_config(DEMO_CONFIG, ["train.cublas_workspace=small"])
 
 
 def _grads(model):
