@@ -474,18 +474,21 @@ class StepGraphs:
         position that is no item lookup, its gradient zero)."""
         model, v = self.model, s.views()
         cap, device = s.capacity, s.src.device
-        pos = torch.arange(cap, device=device)
-        ids = torch.where(pos < v["tokens"], s.src, 0)
-        ctx = pos < v["item_start"]
-        act = (pos >= v["action_start"]) & (pos < v["candidate_start"])
-        item_ids = torch.where(ctx | act, 0, ids)
         tables = model.embedding.embeddings
+        ctx_table = tables["contextual"].weight
+        # every position's ids in one launch (`source_ids`): the item table's row (0 where
+        # none), its lookups for the update (-1: contextual, action and padding tokens, which
+        # read row 0 with a zero gradient), the small tables' row (the contextual and action
+        # tables read as one: a second source over the capacity, not two) and, with
+        # data_parallel tables, its marks
+        from hstu_kernels.triton.embed_tokens import embed_tokens, source_ids
+
+        item_ids, lookups, small_ids, small_lookups, is_small = source_ids(
+            s.src, s.ints[:HEADER_SIZE], ctx_table.shape[0], marks=self.tables is not None
+        )
         real_rows = torch.arange(s.loss_rows, device=device) < v["loss_rows"]
         looked = item_ids
-        # the table's update skips the positions that are no item lookup (id -1): contextual,
-        # action and padding tokens, padded negatives (they read row 0; zero gradient)
-        lookups = torch.where(ctx | act | (pos >= v["tokens"]), -1, ids)
-        if self.task == "retrieval":  # the negatives from the same lookup
+        if self.task == "retrieval":  # the negatives from the same lookup (padded: -1)
             real_neg = real_rows[:, None].expand(-1, self.num_negatives).reshape(-1)
             neg_ids = torch.where(real_neg, s.extra, 0)
             looked = torch.cat([item_ids, neg_ids])
@@ -493,26 +496,16 @@ class StepGraphs:
         # the item table's rows as a leaf of their own: the table takes no dense gradient,
         # its update reads theirs (`_update_table`)
         rows = tables["item"].weight.detach().index_select(0, looked).requires_grad_()
-        small_lookups = None
         e_item, e_neg = rows.split([cap, looked.numel() - cap])
-        # The contextual and action tables (small) read as one: a second source over the
-        # capacity, not two.
-        ctx_table = tables["contextual"].weight
         small = torch.cat([ctx_table, tables["action"].weight])
-        small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_table.shape[0], 0))
-        if self.tables is not None:  # their touched rows: the update's marks
-            small_lookups = torch.where(ctx | act, small_ids, -1)
         inverse = v["inverse"]
         # the rows in the stack's dtype and token order, from the item rows or the small
         # tables, one kernel each way (`embed_tokens`); the small tables' gradient summed over
         # their two runs of sources (the header's), not sorted by id over the whole capacity
-        from hstu_kernels.triton.embed_tokens import embed_tokens
-
         runs = (v["small_runs"], (ctx_table.shape[0], tables["action"].weight.shape[0]))
         x = embed_tokens(
-            e_item, small, small_ids.to(torch.int32), ctx | act, inverse, v["dest"],
-            model.compute_dtype, runs,
-        )  # fmt: skip
+            e_item, small, small_ids, is_small, inverse, v["dest"], model.compute_dtype, runs
+        )
         seq = {
             "offsets": v["offsets"],
             "max_seqlen": self.max_seqlen,
@@ -542,7 +535,7 @@ class StepGraphs:
             z,
             pos_rows,
             e_neg.reshape(s.loss_rows, r, -1),
-            ids.index_select(0, item_src),
+            item_ids.index_select(0, item_src),  # item positions: their ids
             neg_ids.reshape(s.loss_rows, r),
         )
         loss = torch.where(real_rows, loss, 0.0).sum() / denom

@@ -130,6 +130,30 @@ def _small_grad_kernel(
     tl.store(out + rows[:, None] * stride_o + cols[None, :], acc, mask=keep)
 
 
+@triton.jit
+def _source_ids_kernel(
+    Src, Starts, ItemIds, Lookups, SmallIds, SmallLookups, IsSmall, C, ctx_rows,
+    MARKS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Positions `[pid * BLOCK, (pid + 1) * BLOCK)` of the capacity: what `source_ids` writes."""
+    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = pos < C
+    item_start, action_start = tl.load(Starts + 1), tl.load(Starts + 2)
+    candidate_start, tokens = tl.load(Starts + 3), tl.load(Starts + 4)
+    real = pos < tokens
+    ids = tl.where(real, tl.load(Src + pos, mask=inside & real, other=0), 0)
+    ctx = pos < item_start
+    act = (pos >= action_start) & (pos < candidate_start)
+    small = ctx | act
+    tl.store(ItemIds + pos, tl.where(small, 0, ids), mask=inside)
+    tl.store(Lookups + pos, tl.where(small | (pos >= tokens), -1, ids), mask=inside)
+    small_ids = tl.where(ctx, ids, tl.where(act, ids + ctx_rows, 0))
+    tl.store(SmallIds + pos, small_ids.to(tl.int32), mask=inside)
+    if MARKS:
+        tl.store(SmallLookups + pos, tl.where(small, small_ids, -1), mask=inside)
+    tl.store(IsSmall + pos, small.to(tl.uint8), mask=inside)
+
+
 _INTERPRET = type(_embed_fwd_kernel).__name__ == "InterpretedFunction"
 
 
@@ -303,3 +327,66 @@ def embed_tokens(
     if not (rows.is_cuda or _INTERPRET):
         return embed_tokens_reference(rows, small, small_ids, is_small, perm, inv, dtype)
     return _EmbedTokens.apply(rows, small, small_ids, is_small, perm, inv, dtype, bounds, sizes)
+
+
+def source_ids_reference(src, starts, ctx_rows: int, marks: bool = True):
+    """The torch ops `source_ids` replaces (its docstring): ~25 launches over the capacity."""
+    pos = torch.arange(src.numel(), device=src.device)
+    item_start, action_start, candidate_start, tokens = starts[1:5].unbind()
+    ids = torch.where(pos < tokens, src, 0)
+    ctx = pos < item_start
+    act = (pos >= action_start) & (pos < candidate_start)
+    small = ctx | act
+    small_ids = torch.where(ctx, ids, torch.where(act, ids + ctx_rows, 0))
+    return (
+        torch.where(small, 0, ids),
+        torch.where(small | (pos >= tokens), -1, ids),
+        small_ids.to(torch.int32),
+        torch.where(small, small_ids, -1) if marks else None,
+        small,
+    )
+
+
+def source_ids(src: torch.Tensor, starts: torch.Tensor, ctx_rows: int, marks: bool = True):
+    """The ids the step graph reads at each position of its token capacity, in one launch.
+
+    `src [C]` (int64): the ids in source order, the runs contextual, item, action, candidate
+    one after the other and padding past them; `starts` (int64, on src's device, read by the
+    kernel, so it may change between CUDA-graph replays): the runs' starts and the token
+    count, `[context_start, item_start, action_start, candidate_start, tokens, ...]`;
+    `ctx_rows`: the contextual table's rows (the action table's rows follow them in the small
+    tables read as one). Returns, per position:
+
+    * `item_ids` (int64): the item table's row to read, the id at item and candidate positions,
+      0 elsewhere;
+    * `lookups` (int64): the same with -1 where no item is looked up (contextual, action and
+      padding positions), what the table's update skips;
+    * `small_ids` (int32): the small tables' row, the contextual id, or the action id past the
+      contextual rows, 0 elsewhere (`embed_tokens`' small_ids);
+    * `small_lookups` (int64; None unless `marks`): `small_ids` with -1 where no small table is
+      read, the rows the small tables' update marks;
+    * `is_small` (bool): contextual or action positions (`embed_tokens`' is_small).
+
+    Outside CUDA and the Triton interpreter: `source_ids_reference`, the same values."""
+    if src.dtype != torch.int64 or src.dim() != 1 or not src.is_contiguous():
+        raise ValueError(f"source_ids: src must be a contiguous int64 vector, got {src.dtype}")
+    if starts.dtype != torch.int64 or starts.numel() < 5 or starts.device != src.device:
+        raise ValueError(
+            f"source_ids: starts must be int64 with at least 5 entries on {src.device}, got "
+            f"{starts.dtype} {tuple(starts.shape)} on {starts.device}"
+        )
+    if not (src.is_cuda or _INTERPRET):
+        return source_ids_reference(src, starts, ctx_rows, marks)
+    c = src.numel()
+    item_ids, lookups = torch.empty_like(src), torch.empty_like(src)
+    small_ids = torch.empty(c, dtype=torch.int32, device=src.device)
+    small_lookups = torch.empty_like(src) if marks else None
+    is_small = torch.empty(c, dtype=torch.bool, device=src.device)
+    block = 1024
+    if c:
+        _source_ids_kernel[(triton.cdiv(c, block),)](
+            src, starts.contiguous(), item_ids, lookups, small_ids,
+            small_lookups if marks else lookups, is_small.view(torch.uint8), c, ctx_rows,
+            MARKS=marks, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return item_ids, lookups, small_ids, small_lookups, is_small

@@ -20,6 +20,8 @@ from hstu_kernels.triton.embed_tokens import (  # noqa: E402
     _INTERPRET,
     embed_tokens,
     embed_tokens_reference,
+    source_ids,
+    source_ids_reference,
 )
 
 if not _CUDA and not _INTERPRET:
@@ -214,3 +216,84 @@ def test_embed_tokens_segments_replay_with_new_bounds():
         want = _run(embed_tokens_reference, *inputs, batch[6], torch.bfloat16)
         assert torch.equal(x, want[0])  # integer gradients: every sum exact in any order
         assert torch.equal(rows.grad, want[1]) and torch.equal(small.grad, want[2])
+
+
+def _layout(c: int, runs: tuple[int, int, int, int], seed: int):
+    """A capacity of `c` positions holding `runs` (contextual, item, action, candidate
+    counts) then padding whose ids are garbage (the kernel must not read them as ids)."""
+    g = torch.Generator().manual_seed(seed)
+    n_ctx, n_item, n_act, n_cand = runs
+    starts = [0, n_ctx, n_ctx + n_item, n_ctx + n_item + n_act, sum(runs), 7, 9, 0]
+    src = torch.randint(0, 1000, (c,), generator=g)
+    src[sum(runs) :] = -12345  # padding: whatever the buffer held
+    return src.to(DEVICE), torch.tensor(starts, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "c, runs",
+    [
+        (1, (0, 0, 0, 0)),  # nothing real
+        (37, (4, 10, 10, 8)),  # a capacity that is no multiple of the block
+        (3000, (4, 900, 900, 64)),  # more than one block, padding past 1,868
+        (2048, (0, 1000, 1000, 48)),  # no contextual run, full but for the tail
+        (1024, (4, 500, 500, 20)),  # a capacity that is exactly the block
+    ],
+)
+def test_source_ids_are_the_torch_ops(c, runs):
+    src, starts = _layout(c, runs, seed=c)
+    for marks in (True, False):
+        got = source_ids(src, starts, ctx_rows=1000, marks=marks)
+        want = source_ids_reference(src, starts, ctx_rows=1000, marks=marks)
+        for name, a, b in zip(("item", "lookups", "small", "small_lookups", "is_small"), got, want):
+            if b is None:
+                assert a is None, name
+            else:
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+    item_ids, lookups, small_ids, small_lookups, is_small = source_ids(src, starts, 1000)
+    n_ctx, n_item, n_act, n_cand = runs
+    tokens = sum(runs)
+    host = src.cpu()
+    # spelled out once: the runs' positions and what each output holds there
+    ctx = slice(0, n_ctx)
+    act = slice(n_ctx + n_item, n_ctx + n_item + n_act)
+    items = torch.cat([torch.arange(n_ctx, n_ctx + n_item), torch.arange(tokens - n_cand, tokens)])
+    assert torch.equal(small_ids[ctx].cpu().long(), host[ctx])
+    assert torch.equal(small_ids[act].cpu().long(), host[act] + 1000)
+    assert torch.equal(lookups.cpu()[items], host[items]) and torch.equal(
+        item_ids.cpu()[items], host[items]
+    )
+    assert int(is_small.sum()) == n_ctx + n_act
+    assert (lookups[tokens:] == -1).all() and (item_ids[tokens:] == 0).all()
+    assert (small_lookups[tokens:] == -1).all() and (small_ids[tokens:] == 0).all()
+
+
+def test_source_ids_rejects_what_it_cannot_read():
+    src, starts = _layout(64, (4, 20, 20, 8), seed=0)
+    with pytest.raises(ValueError, match="src must be"):
+        source_ids(src.int(), starts, ctx_rows=10)
+    with pytest.raises(ValueError, match="starts must be"):
+        source_ids(src, starts[:4], ctx_rows=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="CUDA graphs need a GPU")
+def test_source_ids_replay_with_new_starts():
+    # one graph over two batches: the starts are read on the device at every replay
+    src, starts = _layout(4096, (4, 1500, 1500, 64), seed=1)
+    src2, starts2 = _layout(4096, (4, 1000, 1000, 30), seed=2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        source_ids(src, starts, ctx_rows=1000)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = source_ids(src, starts, ctx_rows=1000)
+    for s, st in ((src, starts), (src2, starts2)):
+        want = source_ids_reference(s, st, ctx_rows=1000)
+        src.copy_(s)
+        starts.copy_(st)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(out, want, strict=True):
+            assert torch.equal(a, b)
