@@ -159,7 +159,7 @@ print('torchrec', torchrec.__version__)" ;;
               PYTHONPATH=/tmp/site:/tmp/hstu-path-$side:$tree python -m hstu.cli bench e2e \
               --config bench_upstream --backends $E2E_BACKENDS \
               --shufflers ${AB_SHUFFLERS:-identity} --exchanges ${AB_EXCHANGES:-allgather,all2all} \
-              --steps 30 --probe-every ${AB_PROBE_EVERY:-0} $([ "${AB_PROBE_EVERY:-0}" = 0 ] || echo --breakdown) \
+              --steps ${AB_STEPS:-30} --probe-every ${AB_PROBE_EVERY:-0} $([ "${AB_PROBE_EVERY:-0}" = 0 ] || echo --breakdown) \
               --out /tmp/tab_${side}_b${b}_$round data.batch_size=$b ${AB_ARGS:-}
           done
         done
