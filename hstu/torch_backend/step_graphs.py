@@ -496,7 +496,11 @@ class StepGraphs:
         # the item table's rows as a leaf of their own: the table takes no dense gradient,
         # its update reads theirs (`_update_table`)
         rows = tables["item"].weight.detach().index_select(0, looked).requires_grad_()
-        e_item, e_neg = rows.split([cap, looked.numel() - cap])
+        # ranking looks up the capacity's rows only: no split, whose backward would copy the
+        # whole [C, D] gradient into a new buffer (a cat of it and the negatives' empty part)
+        e_item, e_neg = (
+            (rows, None) if looked.numel() == cap else rows.split([cap, looked.numel() - cap])
+        )
         small = torch.cat([ctx_table, tables["action"].weight])
         inverse = v["inverse"]
         # the rows in the stack's dtype and token order, from the item rows or the small
