@@ -486,9 +486,9 @@ class StepGraphs:
         item_ids, lookups, small_ids, small_lookups, is_small = source_ids(
             s.src, s.ints[:HEADER_SIZE], ctx_table.shape[0], marks=self.tables is not None
         )
-        real_rows = torch.arange(s.loss_rows, device=device) < v["loss_rows"]
         looked = item_ids
         if self.task == "retrieval":  # the negatives from the same lookup (padded: -1)
+            real_rows = torch.arange(s.loss_rows, device=device) < v["loss_rows"]
             real_neg = real_rows[:, None].expand(-1, self.num_negatives).reshape(-1)
             neg_ids = torch.where(real_neg, s.extra, 0)
             looked = torch.cat([item_ids, neg_ids])
@@ -523,12 +523,13 @@ class StepGraphs:
             x, seq, rows=v["loss_a"], distinct=s.loss_rows <= cap,
             reduced=self.reduced if self.copies is not None else None,
         )  # fmt: skip
-        denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
-        if self.task == "ranking":
+        if self.task == "ranking":  # the BCE over the real rows, one launch each way
+            from hstu_kernels.triton.ranking_loss import ranking_bce
+
             logits = model.ranking_head(z)
-            bce = model.ranking_terms(logits, s.extra)
-            loss = torch.where(real_rows[:, None], bce, 0.0).sum() / denom
+            loss = ranking_bce(logits, s.extra, v["loss_rows"], v["loss_tokens"])
             return loss, {}, (lookups, rows, small_lookups)
+        denom = v["loss_tokens"].clamp(min=1).to(torch.float32)
         r, item_src = self.num_negatives, v["loss_b"]
         pos_rows = (
             select_distinct_rows(e_item, item_src)
