@@ -33,8 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _tickets
-
 
 @triton.jit
 def _layer_norm_fwd_kernel(
@@ -96,11 +94,9 @@ def _bwd_load(
 def _layer_norm_bwd_kernel(
     X, W, B, G, DY, DH, DX, DG, MEAN, RSTD, DW_PART, DB_PART, DRB_PART, DG_PART,
     stride_x, stride_g, stride_dy, stride_dh, stride_dx, stride_dg, T, D,
-    Counter, DW, DB, DRB, reducers,
     HAS_GATE: tl.constexpr, HAS_DH: tl.constexpr, HAS_RB: tl.constexpr,
     GATE_SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0, FUSED_SUM: tl.constexpr = False,
-    SUM_ROWS: tl.constexpr = 64, SUM_COLS: tl.constexpr = 16,
+    PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """Rows `[pid * ROWS, (pid + 1) * ROWS)`: their dx (and dgate), and their weight / bias
     gradient sums as row `pid` of the partials. `HAS_DH`: `X` is a residual sum `h` whose
@@ -110,17 +106,7 @@ def _layer_norm_bwd_kernel(
     `p`'s gradient, its column sums (fp32) as row `pid` of `DG_PART`. `PREFETCH`: each slice's
     loads are issued before the previous slice's arithmetic (in registers; the last prefetch is
     masked off). `STAGES` > 0: the slice loop is software-pipelined by Triton in that many
-    stages. Neither changes a value: the arithmetic and its order are the same.
-
-    `FUSED_SUM`: the partials summed into `DW` / `DB` (/ `DRB`) by this launch's last
-    `reducers` programs to arrive (`_tickets.py`): each takes a ticket from `Counter[0]` once
-    its partials are stored; the last `reducers` wait until every program has arrived, then
-    each sums every `reducers`-th block of `SUM_COLS` columns, in the order of
-    `_layer_norm_sum_partials_kernel` (`_sum_columns`); the last of them to finish
-    (`Counter[1]`) zeroes both counters. Waiting is safe: a program that takes one of the last
-    `reducers` tickets waits only for programs that started before it, while at most
-    `reducers` SM slots hold waiters (the launch sizes `reducers` to 1 in the interpreter, whose
-    programs run one after another: the last one then sums every block)."""
+    stages. Neither changes a value: the arithmetic and its order are the same."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -187,25 +173,6 @@ def _layer_norm_bwd_kernel(
         tl.store(DRB_PART + pid * D + cols, drb, mask=cmask)
     if GATE_SILU:
         tl.store(DG_PART + pid * D + cols, tl.sum(dgs, axis=0), mask=cmask)
-    if FUSED_SUM:
-        tl.debug_barrier()  # every thread's partials stored before the ticket (its release)
-        programs = tl.num_programs(0)
-        ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
-        first = programs - reducers
-        if ticket >= first:
-            arrived = ticket + 1
-            while arrived < programs:
-                arrived = tl.atomic_add(Counter, 0, sem="acquire")
-            tl.debug_barrier()
-            for col0 in range((ticket - first) * SUM_COLS, D, reducers * SUM_COLS):
-                _sum_columns(
-                    DW_PART, DB_PART, DRB_PART, DW, DB, DRB, programs, D, col0, HAS_RB,
-                    SUM_ROWS, SUM_COLS,
-                )  # fmt: skip
-            done = tl.atomic_add(Counter + 1, 1, sem="acq_rel")
-            if done == reducers - 1:  # the last reducer: the counters back to zero
-                tl.atomic_xchg(Counter, 0)
-                tl.atomic_xchg(Counter + 1, 0)
 
 
 @triton.jit
@@ -213,22 +180,10 @@ def _layer_norm_sum_partials_kernel(
     DW_PART, DB_PART, DRB_PART, DW, DB, DRB, P, D,
     HAS_RB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Column block `pid` of the weight / bias (and residual bias) gradients (`_sum_columns`)."""
-    _sum_columns(
-        DW_PART, DB_PART, DRB_PART, DW, DB, DRB, P, D, tl.program_id(0) * BLOCK_C, HAS_RB,
-        BLOCK_P, BLOCK_C,
-    )  # fmt: skip
-
-
-@triton.jit
-def _sum_columns(
-    DW_PART, DB_PART, DRB_PART, DW, DB, DRB, P, D, col0,
-    HAS_RB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Columns `[col0, col0 + BLOCK_C)` of the weight / bias (and residual bias) gradients: the
-    partials summed tile by tile in a fixed order (rows past `P` load as zeros, as zero
-    partials would), read from L2 (`.cg`: another SM wrote them in this launch)."""
-    cols = col0 + tl.arange(0, BLOCK_C)
+    """Column block `pid` of the weight / bias (and residual bias) gradients: the partials
+    summed tile by tile in a fixed order (rows past `P` load as zeros, as zero partials
+    would)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < D
     dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
     db = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -237,20 +192,15 @@ def _sum_columns(
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < P)[:, None] & cmask[None, :]
         offs = p[:, None] * D + cols[None, :]
-        dw += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-        db += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+        dw += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
+        db += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
         if HAS_RB:
-            drb += tl.sum(
-                tl.load(DRB_PART + offs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0
-            )
+            drb += tl.sum(tl.load(DRB_PART + offs, mask=mask, other=0.0), axis=0)
     tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cmask)
     tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cmask)
     if HAS_RB:
         tl.store(DRB + cols, drb.to(DRB.dtype.element_ty), mask=cmask)
 
-
-# decided when the kernels were decorated (TRITON_INTERPRET=1 at import), as in _launch.py
-_INTERPRET = type(_layer_norm_bwd_kernel).__name__ == "InterpretedFunction"
 
 # Rows per backward program. Fixed, not sized from T: the weight / bias gradient is then summed
 # over the same groups of rows, in the same order, whatever padding follows the real rows
@@ -265,10 +215,6 @@ _SUM_COLS, _SUM_ROWS = 16, 64
 # The backward's loads: issued a slice ahead (`PREFETCH`) / Triton's pipelining of the slice loop
 # in `STAGES` stages (0: none). Values are the same either way (scripts/norm_tiles.py times them).
 BWD_PREFETCH, BWD_STAGES = False, 3
-# The partials summed by the backward's last programs (`FUSED_SUM`, `_tickets.py`) instead of a
-# second launch; `SUM_REDUCERS` of them at most (on a GPU; one in the interpreter). False: the
-# separate sum kernel (the same columns and order; the bits may differ by its tiles' layout).
-FUSED_SUM, SUM_REDUCERS = True, 16
 
 
 def _tiles(d: int) -> tuple[int, int, int]:
@@ -346,27 +292,19 @@ def backward(
     drb = torch.empty_like(dw) if rb is not None else dw  # not written without rb
     dgp = torch.empty_like(dw) if gate_pre is not None else dw  # nor without gate_pre
     block_r, block_d, warps = _tiles(d)
+    _layer_norm_bwd_kernel[(programs,)](
+        x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db, drb, dgp,
+        x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0), t, d,
+        HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, HAS_RB=rb is not None,
+        GATE_SILU=gate_pre is not None, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r,
+        BLOCK_D=block_d, PREFETCH=BWD_PREFETCH, STAGES=BWD_STAGES, num_warps=warps,
+    )  # fmt: skip
     dweight, dbias = torch.empty_like(weight), torch.empty_like(bias)
     drbias = torch.empty_like(rb) if rb is not None else None
-    out_rb = drbias if rb is not None else dbias  # not written without rb
-    fused = FUSED_SUM and programs > 0
-    reducers = 1 if _INTERPRET else min(programs, SUM_REDUCERS)
-    counter = _tickets.counters(x2.device, 2) if fused else dw
-    if programs:
-        _layer_norm_bwd_kernel[(programs,)](
-            x2, weight, bias, g, dy2, dh, dx, dgo, mean, rstd, dw, db, drb, dgp,
-            x2.stride(0), g.stride(0), dy2.stride(0), dh.stride(0), dx.stride(0), dgo.stride(0),
-            t, d, counter, dweight, dbias, out_rb, reducers,
-            HAS_GATE=g2 is not None, HAS_DH=dh2 is not None, HAS_RB=rb is not None,
-            GATE_SILU=gate_pre is not None, ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r,
-            BLOCK_D=block_d, PREFETCH=BWD_PREFETCH, STAGES=BWD_STAGES, FUSED_SUM=fused,
-            SUM_ROWS=_SUM_ROWS, SUM_COLS=_SUM_COLS, num_warps=warps,
-        )  # fmt: skip
-    if not fused:  # (no rows: the sums of no partials, zeros)
-        _layer_norm_sum_partials_kernel[(triton.cdiv(d, _SUM_COLS),)](
-            dw, db, drb, dweight, dbias, out_rb, programs, d,
-            HAS_RB=rb is not None, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS,
-        )  # fmt: skip
+    _layer_norm_sum_partials_kernel[(triton.cdiv(d, _SUM_COLS),)](
+        dw, db, drb, dweight, dbias, drbias if rb is not None else dbias, programs, d,
+        HAS_RB=rb is not None, BLOCK_P=_SUM_ROWS, BLOCK_C=_SUM_COLS,
+    )  # fmt: skip
     if gate_pre is not None:
         return dx, dg, dweight, dbias, drbias, dgp
     return dx, (dg if g2 is not None else None), dweight, dbias, drbias

@@ -39,17 +39,15 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from . import _tickets
 from ._common import _add  # the bias gradient's combine function (standard's: see there)
 
 
 @triton.jit
 def _silu_bwd_kernel(
     DY, PRE, DPRE, DB_PART,
-    stride_dy, stride_pre, stride_dpre, T, N, Counter, DB,
+    stride_dy, stride_pre, stride_dpre, T, N,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_DPRE: tl.constexpr, WRITE_DB: tl.constexpr, FUSED_SUM: tl.constexpr = False,
-    SUM_ROWS: tl.constexpr = 64,
+    WRITE_DPRE: tl.constexpr, WRITE_DB: tl.constexpr,
 ):  # fmt: skip
     """Rows `[pid_r * ROWS, (pid_r + 1) * ROWS)`, columns of block `pid_n`: their
     `dpre = dy * s * (1 + pre * (1 - s))`, `s = sigmoid(pre)` in fp32 (stored in DPRE's dtype),
@@ -58,12 +56,7 @@ def _silu_bwd_kernel(
     The rows go in slices of BLOCK_R, unrolled; the sums stay elementwise in a
     `[BLOCK_R, BLOCK_N]` accumulator until one reduction over its rows at the end (an order
     set by the constexprs alone). Offsets inside the program are int32 (`ROWS * stride` must
-    stay below 2**31), the program's first row int64.
-
-    `FUSED_SUM`: the bias gradient `DB` summed in this launch, column block by column block:
-    each program takes a ticket from its block's counter (`Counter[pid_n]`, `_tickets.py`) once
-    its partial is stored, and the block's last to arrive sums the block's partials, in the
-    order of `_sum_partials_kernel` (`_sum_partial_rows`), then zeroes the counter."""
+    stay below 2**31), the program's first row int64."""
     row0 = tl.program_id(0).to(tl.int64) * ROWS
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -90,38 +83,19 @@ def _silu_bwd_kernel(
     if WRITE_DB:
         db = tl.reduce(acc, 0, _add)
         tl.store(DB_PART + tl.program_id(0).to(tl.int64) * N + cols, db, mask=cmask)
-        if FUSED_SUM:
-            tl.debug_barrier()  # every thread's partial stored before the ticket (its release)
-            block = tl.program_id(1)
-            ticket = tl.atomic_add(Counter + block, 1, sem="acq_rel")
-            if ticket == tl.num_programs(0) - 1:  # the block's last: every partial is in
-                _sum_partial_rows(
-                    DB_PART, DB, tl.num_programs(0), N, block * BLOCK_N, SUM_ROWS, BLOCK_N
-                )
-                tl.atomic_xchg(Counter + block, 0)
 
 
 @triton.jit
 def _sum_partials_kernel(DB_PART, DB, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Columns of block `pid` of the bias gradient (`_sum_partial_rows`)."""
-    _sum_partial_rows(DB_PART, DB, P, N, tl.program_id(0) * BLOCK_C, BLOCK_P, BLOCK_C)
-
-
-@triton.jit
-def _sum_partial_rows(DB_PART, DB, P, N, col0, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Columns `[col0, col0 + BLOCK_C)` of the bias gradient: the partials `DB_PART [P, N]`
-    summed tile by tile in a fixed order (rows past `P` load as zeros, as zero partials
-    would), read from L2 (`.cg`: other SMs wrote them in this launch)."""
-    cols = col0 + tl.arange(0, BLOCK_C)
+    """Columns of block `pid` of the bias gradient: the partials `DB_PART [P, N]` summed tile
+    by tile in a fixed order (rows past `P` load as zeros, as zero partials would)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     acc = tl.full((BLOCK_C,), 0.0, tl.float32)
     for start in range(0, P, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < P)[:, None] & cmask[None, :]
-        part = tl.load(
-            DB_PART + p[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
+        part = tl.load(DB_PART + p[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
         acc += tl.reduce(part, 0, _add)
     tl.store(DB + cols, acc.to(DB.dtype.element_ty), mask=cmask)
 
@@ -141,10 +115,6 @@ ROWS_PER_PROGRAM = 128
 # tiles of `_PARTIAL_ROWS` (~2.6 us at 94 x 4096 partials on an H200).
 _PARTIAL_COLS = 16
 _PARTIAL_ROWS = 64
-# The bias gradient summed by each column block's last program in the backward launch itself
-# (`FUSED_SUM`, `_tickets.py`) instead of a second launch. False: `sum_partials`' kernel (the
-# same order per column; its tiles' layout may round differently).
-FUSED_SUM = True
 
 
 def sum_partials(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -236,21 +206,16 @@ class _LinearSiLU(torch.autograd.Function):
             else pre  # not written then
         )
         block_r, block_n, warps = _tiles(n)
-        blocks = triton.cdiv(n, block_n)
-        dbias = torch.empty(n, dtype=bias_dtype, device=pre.device) if need_b else None
-        fused = need_b and FUSED_SUM and t > 0 and blocks <= _tickets.SLOTS
-        counter = _tickets.counters(pre.device, blocks) if fused else partials
         if t > 0 and n > 0:
-            _silu_bwd_kernel[(programs, blocks)](
+            _silu_bwd_kernel[(programs, triton.cdiv(n, block_n))](
                 dy, pre, dpre, partials,
-                dy.stride(0), pre.stride(0), dpre.stride(0), t, n, counter,
-                dbias if need_b else partials,
+                dy.stride(0), pre.stride(0), dpre.stride(0), t, n,
                 ROWS=ROWS_PER_PROGRAM, BLOCK_R=block_r, BLOCK_N=block_n,
-                WRITE_DPRE=write_dpre, WRITE_DB=need_b, FUSED_SUM=fused,
-                SUM_ROWS=_PARTIAL_ROWS, num_warps=warps,
+                WRITE_DPRE=write_dpre, WRITE_DB=need_b, num_warps=warps,
             )  # fmt: skip
-        if need_b and not fused:  # no rows (P = 0): zeros
-            sum_partials(partials, dbias)
+        dbias = None
+        if need_b:  # no rows (P = 0): zeros
+            dbias = sum_partials(partials, torch.empty(n, dtype=bias_dtype, device=pre.device))
         dx, dweight = weight_grads(x, w, dpre, weight_dtype, need_x, need_w)
         return dx, dweight, dbias, None, None
 

@@ -136,40 +136,6 @@ def test_the_partials_sum_in_a_fixed_order_across_tiles():
     torch.testing.assert_close(sums[0].double(), parts.double().sum(0), rtol=0, atol=1e-5)
 
 
-def _bias_grad(t: int, d_in: int, d_out: int, seed: int) -> torch.Tensor:
-    x, w, b, dy = (a.to(DEVICE) for a in _inputs(t, d_in, d_out, seed=seed))
-    b = b.requires_grad_()
-    linear_silu(x, w, b).backward(dy)
-    return b.grad
-
-
-def test_the_bias_gradient_summed_in_the_backward_launch(monkeypatch):
-    # FUSED_SUM: each column block's last program sums the block's partials in the launch
-    # itself; the separate sum kernel's order per column, so the same bits in the interpreter
-    # (compiled, its tiles may round differently), and the counters are zero again after
-    from hstu_kernels.triton import _tickets
-    from hstu_kernels.triton import linear_silu as ls
-
-    assert ls.FUSED_SUM
-    fused = _bias_grad(300, 16, 200, seed=4)  # 3 row groups x 4 column blocks
-    assert _tickets.counters(torch.device(DEVICE), 4).tolist() == [0] * 4
-    monkeypatch.setattr(ls, "FUSED_SUM", False)
-    separate = _bias_grad(300, 16, 200, seed=4)
-    if DEVICE == "cuda":
-        torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
-    else:
-        assert torch.equal(fused, separate)
-
-
-@pytest.mark.gpu
-def test_the_fused_bias_gradient_is_the_same_every_launch():
-    # the benchmark shape (96 row groups x 64 column blocks), 20 launches: a race between a
-    # block's tickets and its partials' stores would show as a launch whose sums differ
-    first = _bias_grad(12_288 - 300, 1024, 4096, seed=6)
-    for _ in range(20):
-        assert torch.equal(_bias_grad(12_288 - 300, 1024, 4096, seed=6), first)
-
-
 def test_no_rows():
     x, w, b = torch.zeros(0, 8), torch.randn(8, 24), torch.randn(24)
     x, w, b = (a.to(DEVICE).requires_grad_() for a in (x, w, b))
