@@ -18,9 +18,10 @@ here fixes the capacities from the config before training:
 added (`hstu bench e2e` reports it as `padding_waste`); each bucket is one more program. How
 many: `train.capacity_buckets`, or, at 0, the backend's own (`BACKEND_BUCKETS`): a JAX program
 is a compile of seconds and issue 13 bounds a run at 8, a torch CUDA graph a capture of ~0.2 s
-(32: 3.0 % padding at `bench_upstream`'s batch 32 against 12.5 % with 8, +4 % TFLOP/s on an
-H200, docs/BENCHMARKS.md). Packed batches (`data.pack_window`, built before a backend is
-chosen) fill `NEUTRAL_BUCKETS` capacities in both, padding ~1.4 % with them.
+(48: 1.9 % padding at `bench_upstream`'s batch 32 against 3.0 % with 32 and 12.5 % with 8;
+32 against 8 +4 % TFLOP/s on an H200, 48 against 32 +0.5 %, docs/BENCHMARKS.md). Packed
+batches (`data.pack_window`, built before a backend is chosen) fill `NEUTRAL_BUCKETS`
+capacities in both, padding ~1.4 % with them.
 
 A prepared dataset draws its samples' sizes from the dataset itself (`from_prepared`); other
 sources, whose lengths nothing describes, use geometric buckets (`ratio`). `for_source` picks
@@ -39,7 +40,7 @@ from hstu.errors import HSTUError
 
 ALIGN = 256  # capacities are multiples of this (kernel tiles, and fewer distinct shapes)
 # `train.capacity_buckets=0`: the buckets of each backend, and of callers that name none
-BACKEND_BUCKETS = {"jax": 8, "torch": 32}
+BACKEND_BUCKETS = {"jax": 8, "torch": 48}
 NEUTRAL_BUCKETS = 8
 
 

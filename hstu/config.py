@@ -265,8 +265,9 @@ class TrainConfig:
         "token capacities a run's static-shape steps pad to (jax: one compiled step program "
         "each; torch with train.cuda_graphs: one graph each), fitted to the batches the data "
         "config draws (hstu/capacity.py): more pad less and build more programs; 2 to 48, or "
-        "0: the backend's own, 8 in jax (a program is a compile of seconds), 32 in torch (a "
-        "graph is a capture of ~0.2 s; +4 percent at bench_upstream's batch 32 on an H200, "
+        "0: the backend's own, 8 in jax (a program is a compile of seconds), 48 in torch (a "
+        "graph is a capture of ~0.2 s; 1.9 percent padding at bench_upstream's batch 32, against "
+        "3.0 with 32 and 12.5 with 8: +0.5 and +4.5 percent TFLOP/s on an H200, "
         "docs/BENCHMARKS.md); packed batches (data.pack_window) fill 8",
     )
     metrics_lag: int = _opt(

@@ -6,7 +6,7 @@
 For each batch size B and window (in batches of B; 0: the stream's order) reads the batches
 a W=1 run of `--steps` steps reads (`hstu.data.DataLoader` over `source_from_config`), pads
 each to the capacity a run of `--backend` pads it to (`hstu.capacity.for_source`: with
-`train.capacity_buckets=0`, the default, torch's graphs fit 32 capacities, jax's programs 8),
+`train.capacity_buckets=0`, the default, torch's graphs fit 48 capacities, jax's programs 8),
 and prints the distinct capacities (the static-shape programs), the mean relative padding
 (`padding_waste`) and the host time per batch. No model, no device: the numbers are the
 data's and the policy's.

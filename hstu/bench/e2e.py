@@ -7,9 +7,9 @@
 Every combination trains in its own process (`hstu train`, data-parallel size
 `dist.world_size`); identity moves nothing, so it runs once per backend whatever the
 exchanges. From each run's metrics (medians over the steps after warm-up, without steps that
-compiled or held a measurement; torch's graphs fit 32 token capacities by default, so at
-`bench_upstream`'s batch 32 a new graph is captured on ~31 of the first 150 steps, more than a
-third of a short run's: give torch `--steps 150` where its figure matters):
+compiled or held a measurement; torch's graphs fit 48 token capacities by default, so at
+`bench_upstream`'s batch 32 a new graph is captured on ~47 of the first 150 steps, more than
+the whole of a short run's: give torch `--steps 150` where its figure matters):
 
 * step time (median and p90), tokens/s, TFLOP/s per device, MFU;
 * imbalance before/after by FLOPs, and by measured per-rank compute time: every K steps

@@ -121,9 +121,9 @@ def test_the_run_pads_to_the_capacities_it_packed_to_unless_the_balancer_splits(
     assert packed.policy == capacity.block_policy(demo_cfg, packed.inner)
     demo_cfg.balance.shuffler = "balanced"
     assert capacity.for_source(demo_cfg, source) == capacity.from_config(demo_cfg)
-    # re-partitioned: the backend's own capacities (torch's graphs 32, jax's programs 8)
+    # re-partitioned: the backend's own capacities (torch's graphs 48, jax's programs 8)
     got = capacity.for_source(demo_cfg, source, "torch")
-    assert got == capacity.from_config(demo_cfg, num_buckets=32)
+    assert got == capacity.from_config(demo_cfg, num_buckets=48)
 
 
 @pytest.mark.parametrize("batch,window", [(8, 12), (4, 10), (4, 4)])
