@@ -283,7 +283,6 @@ class TrainConfig:
         "data_parallel with adam; at W > 1 the collectives and the update follow the graph), "
         "else the HSTU stack; stack = the stack only",
     )
-
     cublas_workspace: str = _opt(
         "auto",
         "torch on CUDA: cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG, which cuBLAS reads once "
