@@ -6,9 +6,10 @@ In the torch step's profile every GEMM with a bf16 output (the uvqk projection, 
 projection, both input gradients) follows a ~1 us memset node and starts 2-4 us after it; the
 fp32-output weight gradients have none. This times the layer's six GEMMs as the step runs them
 (`_ReducedAddmm`: `addmm` with the bias, `mm`, `dy @ w.T`, `mm(out_dtype=float32)` of `x.T`)
-captured in one graph, each variant in a process of its own (the settings are read when cuBLAS
-starts): the replay's device time (median of `--repeats`), the graph's memset and kernel
-nodes, and the kernels cuBLAS picked. Variants (environment of the child):
+captured in one graph (`hstu_kernels.triton.bench.captured_graph`), each variant in a process
+of its own (the settings are read when cuBLAS starts): the replay's device time (median of
+`--repeats`), the graph's memset and kernel nodes, and the kernels cuBLAS picked. Variants
+(environment of the child):
 
     default     as the trainer runs
     lt0         CUBLASLT_WORKSPACE_SIZE=0 (torch's cuBLASLt workspace, KiB)
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -37,6 +37,7 @@ VARIANTS = {
 
 def _child(tokens: int, dim: int, wide: int, repeats: int) -> dict:
     import torch
+    from hstu_kernels.triton.bench import captured_graph, replay_ms
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -56,25 +57,8 @@ def _child(tokens: int, dim: int, wide: int, repeats: int) -> dict:
         d_uvqk @ w_uvqk.t()  # uvqk's input gradient
         torch.mm(x.t(), d_uvqk, out_dtype=torch.float32)  # its weight gradient
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            layer()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+    graph = captured_graph(layer)
+    us = 1e3 * replay_ms(graph, repeats)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     with prof:
         graph.replay()
@@ -86,7 +70,7 @@ def _child(tokens: int, dim: int, wide: int, repeats: int) -> dict:
                 memsets += 1
             else:
                 kernels.append(f"{e.name[:60]} {e.device_time:.1f}")
-    return {"us": statistics.median(times), "memsets": memsets, "kernels": kernels}
+    return {"us": us, "memsets": memsets, "kernels": kernels}
 
 
 def main(argv=None) -> None:

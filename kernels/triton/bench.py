@@ -33,14 +33,14 @@ def _time_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def graph_time_ms(fn, calls: int, rounds: int) -> float:
-    """Median device ms per call of ``fn()``: ``calls`` calls captured in one CUDA graph
-    (after two warm-up calls on a side stream), the graph replayed ``rounds`` times between
-    CUDA events. The host's launch work is not in the figure, only what the kernels cost."""
+def captured_graph(fn, calls: int = 1, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """``calls`` calls of ``fn()`` captured in one CUDA graph, after ``warmup`` calls on a side
+    stream (Triton's compiles, cuBLAS's handles and the allocator's blocks made outside the
+    capture); the graph replayed once before it is returned."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -49,6 +49,12 @@ def graph_time_ms(fn, calls: int, rounds: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_ms(graph, rounds: int, calls: int = 1) -> float:
+    """Median device ms of one replay of ``graph`` over ``rounds`` replays between CUDA events,
+    divided by the ``calls`` it holds."""
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -58,6 +64,13 @@ def graph_time_ms(fn, calls: int, rounds: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def graph_time_ms(fn, calls: int, rounds: int) -> float:
+    """Median device ms per call of ``fn()``: ``calls`` calls captured in one CUDA graph
+    (after two warm-up calls on a side stream), the graph replayed ``rounds`` times between
+    CUDA events. The host's launch work is not in the figure, only what the kernels cost."""
+    return replay_ms(captured_graph(fn, calls), rounds, calls)
 
 
 def kernel_profile(fn, calls: int) -> list[tuple[str, float, int]]:
