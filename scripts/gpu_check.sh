@@ -7,7 +7,7 @@
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
 #                                               attnprof order mtiles silu embed
-#                                               overrides flags
+#                                               overrides flags envs
 #                                               host model
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default;
@@ -197,6 +197,30 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ab_paired_sets flags ${#flag_sets[@]} "${AB_BATCHES:-8 32}" ${AB_ROUNDS:-2} ;;
+    envs)
+      # environment and config A/B in one call: each set in $ENV_SETS (separated by '|'; an
+      # empty set is the shipped setup) holds NAME=value words, upper-case names set in the
+      # environment (CUBLAS_WORKSPACE_CONFIG=:0:0, XLA_FLAGS=...), the others config
+      # overrides (train.metrics_lag=3); alternating, $E2E_BACKENDS at W=1 on bench_upstream,
+      # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds of $AB_STEPS steps
+      # (default 150), extra bench flags $ENV_ARGS (--breakdown), then each set against the
+      # first over the same steps
+      IFS='|' read -r -a env_sets <<< "${ENV_SETS:-}"
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for b in ${AB_BATCHES:-32}; do
+          for i in "${!env_sets[@]}"; do
+            envs=(); ovrs=()
+            for word in ${env_sets[$i]}; do
+              if [[ ${word%%=*} =~ ^[A-Z_][A-Z0-9_]*$ ]]; then envs+=("$word"); else ovrs+=("$word"); fi
+            done
+            run "envs${i}_b${b}_$round" env "${envs[@]}" python -m hstu.cli bench e2e \
+              --config bench_upstream --backends $E2E_BACKENDS --shufflers identity \
+              --steps ${AB_STEPS:-150} --probe-every 0 --out /tmp/envs${i}_b${b}_$round \
+              ${ENV_ARGS:-} data.batch_size=$b "${ovrs[@]}"
+          done
+        done
+      done
+      ab_paired_sets envs ${#env_sets[@]} "${AB_BATCHES:-32}" ${AB_ROUNDS:-2} ;;
     silu)
       # jax's Pallas SiLU-backward kernel (off in the shipped step): its tiles swept at
       # bench_upstream's layer (scripts/silu_tiles.py), then the step with the best tiling
@@ -484,7 +508,8 @@ print('torchrec', torchrec.__version__)" ;;
       # scripts/profile_step.py on bench_upstream: $PROFILE_STEPS steps, 3 traced from
       # $PROFILE_AT (past the steps that capture graphs or compile), per backend and batch size
       # ($PROFILE_BATCHES), overrides $PROFILE_ARGS; PROFILE_HLO=1: jax kernels named by their
-      # fusion in the optimized HLO; PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all);
+      # fusion in the optimized HLO; PROFILE_NO_PY=1: jax without the Python tracer (whose
+      # overhead shows as device idle); PROFILE_WORLD=W: W ranks (torch: rank 0 traced; jax: all);
       # PROFILE_TAG: a suffix for the logs (two profiles of one call, other $PROFILE_ARGS). The
       # traces stay on the machine (/tmp/hstu-traces); every device event of the traced steps
       # in order comes back ($OUT/seq_<backend>_b<batch>.txt)
@@ -494,7 +519,8 @@ print('torchrec', torchrec.__version__)" ;;
             env OUT=/tmp/hstu-traces/${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG} \
             python scripts/profile_step.py --backend $backend --config bench_upstream \
             --steps ${PROFILE_STEPS:-40} --profile-at ${PROFILE_AT:-32} --profile-steps 3 \
-            --top ${PROFILE_TOP:-25} ${PROFILE_HLO:+--hlo} --world ${PROFILE_WORLD:-1} \
+            --top ${PROFILE_TOP:-25} ${PROFILE_HLO:+--hlo} ${PROFILE_NO_PY:+--no-python-trace} \
+            --world ${PROFILE_WORLD:-1} \
             --sequence "$OUT/seq_${backend}_b$b${PROFILE_TAG:+_$PROFILE_TAG}.txt" \
             data.batch_size=$b ${PROFILE_ARGS:-}
         done

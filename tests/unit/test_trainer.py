@@ -215,12 +215,17 @@ def _profiled_torch(cfg, tmp_path):
     return path
 
 
-def _profiled_jax(cfg, tmp_path):
+def _profiled_jax(cfg, tmp_path, python: bool = True):
     import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = int(python)
 
     def hook(step, metrics):
         if step == 0:
-            jax.profiler.start_trace(str(tmp_path / "jax"), create_perfetto_trace=True)
+            jax.profiler.start_trace(
+                str(tmp_path / "jax"), create_perfetto_trace=True, profiler_options=options
+            )
         elif step == 3:
             jax.profiler.stop_trace()
 
@@ -246,6 +251,26 @@ def test_the_pipeline_phases_are_named_in_the_backends_profiler_trace(backend, t
     # the hook starts the trace when step 0's metrics arrive (step 1 dispatched), stops it at
     # step 3's: steps 2 and 3 are dispatched entirely inside it
     assert sum(e["name"] == "hstu.forward_backward" for e in marked) >= 2
+
+
+@pytest.mark.parametrize("python", [True, False])
+def test_a_jax_trace_without_python_calls_keeps_the_phases(python, tmp_path):
+    """`scripts/profile_step.py --no-python-trace`: the Python tracer's calls (named
+    `$file:line function`) leave the trace, whose overhead would read as device idle; the
+    pipeline's phases, which the idle is charged to, stay."""
+    pytest.importorskip("jax")
+    from hstu.bench import trace as tr
+
+    cfg = load_config(
+        "demo",
+        ["dist.world_size=1", "data.batch_size=16", "train.steps=6", f"output_dir={tmp_path}"],
+    )
+    events = [e for e in tr.load(_profiled_jax(cfg, tmp_path, python)) if e.get("ph") == "X"]
+    names = {str(e.get("name", "")) for e in events}
+    assert {n for n in names if n.startswith(tr.PHASE_PREFIX)} == {
+        tr.PHASE_PREFIX + p for p in PHASES
+    }
+    assert any(n.startswith("$") for n in names) == python
 
 
 # the workers build batches in backend-neutral code (hstu/data): torch's run in `make test`,
