@@ -7,7 +7,7 @@
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
 #                                               attnprof order mtiles silu embed
-#                                               overrides flags envs
+#                                               overrides flags envs jnorm
 #                                               host model
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default;
@@ -87,6 +87,27 @@ ab_overrides() {  # ab_overrides NAME 'SET|SET...' 'BATCHES' ROUNDS: override se
   ab_paired_sets "$name" ${#ovr_sets[@]} "$batches" "$rounds"
 }
 
+ab_envs() {  # ab_envs NAME 'SET|SET...' BACKENDS: the `envs` section's runs (its comment)
+  local name=$1 backends=$3 round b i word
+  local -a env_sets envs ovrs
+  IFS='|' read -r -a env_sets <<< "$2"
+  for round in $(seq ${AB_ROUNDS:-2}); do
+    for b in ${AB_BATCHES:-32}; do
+      for i in "${!env_sets[@]}"; do
+        envs=(); ovrs=()
+        for word in ${env_sets[$i]}; do
+          if [[ ${word%%=*} =~ ^[A-Z_][A-Z0-9_]*$ ]]; then envs+=("$word"); else ovrs+=("$word"); fi
+        done
+        run "${name}${i}_b${b}_$round" env "${envs[@]}" python -m hstu.cli bench e2e \
+          --config bench_upstream --backends $backends --shufflers identity \
+          --steps ${AB_STEPS:-150} --probe-every 0 --out /tmp/${name}${i}_b${b}_$round \
+          ${ENV_ARGS:-} data.batch_size=$b "${ovrs[@]}"
+      done
+    done
+  done
+  ab_paired_sets "$name" ${#env_sets[@]} "${AB_BATCHES:-32}" ${AB_ROUNDS:-2}
+}
+
 for s in $sections; do
   case $s in
     env)
@@ -99,7 +120,7 @@ print('torchrec', torchrec.__version__)" ;;
       run triton_gpu_tests python -m pytest -q -m gpu tests/unit/test_triton_attention.py \
         tests/unit/test_triton_layer_norm.py
       run pallas_gpu_tests python -m pytest -q -m gpu tests/unit/test_pallas_attention.py \
-        tests/unit/test_pallas_silu_bwd.py ;;
+        tests/unit/test_pallas_silu_bwd.py tests/unit/test_pallas_layer_norm.py ;;
     model)
       # the torch model's GPU tests: fused norms and elementwise kernels, the TF32 head, the
       # bf16 linears' fp32 weight gradients, the stack and step graphs (captured), against
@@ -205,22 +226,15 @@ print('torchrec', torchrec.__version__)" ;;
       # identity, each batch size of $AB_BATCHES, $AB_ROUNDS rounds of $AB_STEPS steps
       # (default 150), extra bench flags $ENV_ARGS (--breakdown), then each set against the
       # first over the same steps
-      IFS='|' read -r -a env_sets <<< "${ENV_SETS:-}"
-      for round in $(seq ${AB_ROUNDS:-2}); do
-        for b in ${AB_BATCHES:-32}; do
-          for i in "${!env_sets[@]}"; do
-            envs=(); ovrs=()
-            for word in ${env_sets[$i]}; do
-              if [[ ${word%%=*} =~ ^[A-Z_][A-Z0-9_]*$ ]]; then envs+=("$word"); else ovrs+=("$word"); fi
-            done
-            run "envs${i}_b${b}_$round" env "${envs[@]}" python -m hstu.cli bench e2e \
-              --config bench_upstream --backends $E2E_BACKENDS --shufflers identity \
-              --steps ${AB_STEPS:-150} --probe-every 0 --out /tmp/envs${i}_b${b}_$round \
-              ${ENV_ARGS:-} data.batch_size=$b "${ovrs[@]}"
-          done
-        done
-      done
-      ab_paired_sets envs ${#env_sets[@]} "${AB_BATCHES:-32}" ${AB_ROUNDS:-2} ;;
+      ab_envs envs "${ENV_SETS:-}" "$E2E_BACKENDS" ;;
+    jnorm)
+      # jax's two norms as Pallas kernels (`hstu_kernels.pallas.layer_norm`, off unless
+      # HSTU_JAX_NORM_KERNEL=compiled): the GPU test, the kernels against XLA's fusions in
+      # device time (scripts/norm_kernels_jax.py $JNORM_ARGS, e.g. --sweep), then the step
+      # with them against without, as `envs` runs it (batch 32, $AB_ROUNDS x $AB_STEPS)
+      run jnorm_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_layer_norm.py
+      run jnorm_kernels python scripts/norm_kernels_jax.py ${JNORM_ARGS:-}
+      ab_envs jnorm "|HSTU_JAX_NORM_KERNEL=compiled" jax ;;
     silu)
       # jax's Pallas SiLU-backward kernel (off in the shipped step): its tiles swept at
       # bench_upstream's layer (scripts/silu_tiles.py), then the step with the best tiling

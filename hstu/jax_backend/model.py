@@ -195,6 +195,26 @@ def _silu_kernel():
     return importlib.import_module("hstu_kernels.pallas.silu_bwd")
 
 
+def _norm_kernel():
+    return importlib.import_module("hstu_kernels.pallas.layer_norm")
+
+
+class _NormParams(nn.Module):
+    """`nn.LayerNorm`'s parameters (same names, shapes, dtype and init: the parameter tree and
+    checkpoints are the same) for the Pallas norm kernels to apply."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, like: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = self.param("scale", nn.initializers.ones, (self.features,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        vary = tuple(sorted(_varying(like) - _varying(scale)))  # as `Linear`'s parameters
+        if vary:
+            scale, bias = (jax.lax.pcast(p, vary, to="varying") for p in (scale, bias))
+        return scale, bias
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _linear_silu_split(x, kernel, bias, sizes: tuple[int, ...], interpret: bool):
     """`silu(x @ kernel + bias)` split into column blocks of `sizes`: `_linear`, `nn.silu` and
@@ -260,6 +280,7 @@ class HSTULayer(nn.Module):
     cfg: ModelConfig
     attn: AttentionConfig
     silu_kernel: str | None = None  # HSTUModel's
+    norm_kernel: str | None = None  # HSTUModel's
 
     @nn.compact
     def __call__(self, x, lay: dict, timestamps, deterministic: bool = True):
@@ -267,7 +288,16 @@ class HSTULayer(nn.Module):
         h, dqk, dv, dtype = c.num_heads, c.attention_dim, c.linear_dim, DTYPES[c.dtype]
         t = x.shape[0]
         glorot = nn.initializers.glorot_uniform()
-        y = _norm("input_norm")(x)
+        # the norms as Pallas kernels (`HSTUModel.norm_kernel`) where their widths fit them
+        kernel = self.norm_kernel is not None and all(
+            _norm_kernel().supports(t, width) is None for width in (x.shape[1], h * dv)
+        )
+        interpret_norm = self.norm_kernel == "interpret"
+        if kernel:  # y in the GEMM's dtype; x passed through, its skip gradient added in-kernel
+            scale, bias = _NormParams(x.shape[1], name="input_norm")(x)
+            y, x = _norm_kernel().norm_residual(x, scale, bias, LN_EPS, dtype, interpret_norm)
+        else:
+            y = _norm("input_norm")(x)
         sizes = (h * dv, h * dv, h * dqk, h * dqk)
         width = sum(sizes)
         if self.silu_kernel and _silu_kernel().supports(sizes, t) is None:
@@ -300,7 +330,13 @@ class HSTULayer(nn.Module):
             rab_pos,
             rab_time,
         )
-        y = _norm("attn_norm")(a.reshape(t, h * dv)) * u
+        if kernel:
+            scale, bias = _NormParams(h * dv, name="attn_norm")(u)
+            y = _norm_kernel().gated_norm(
+                a.reshape(t, h * dv), u, scale, bias, LN_EPS, dtype, interpret_norm
+            )
+        else:
+            y = _norm("attn_norm")(a.reshape(t, h * dv)) * u
         y = nn.Dropout(c.dropout)(y, deterministic=deterministic or c.dropout == 0.0)
         return x + Linear(c.embedding_dim, dtype, kernel_init=glorot, name="output")(y)
 
@@ -333,11 +369,15 @@ class HSTUModel(nn.Module):
     # the uvqk projection's SiLU and bias gradients in one Pallas kernel (`build_model`'s
     # `silu_kernel`): "compiled", "interpret" (the Pallas interpreter: tests) or None (autodiff)
     silu_kernel: str | None = None
+    # each layer's two LayerNorms as Pallas kernels (`build_model`'s `norm_kernel`), the same
+    # choices; None: flax's LayerNorm, autodiff's backward
+    norm_kernel: str | None = None
 
     def setup(self):
         self.embedding = Embeddings(self.cfg, self.external_tables)
         self.layers = [
-            HSTULayer(self.cfg, self.attn, self.silu_kernel) for _ in range(self.cfg.num_layers)
+            HSTULayer(self.cfg, self.attn, self.silu_kernel, self.norm_kernel)
+            for _ in range(self.cfg.num_layers)
         ]
         self.final_norm = _norm(None)
         if self.cfg.task == "ranking":
@@ -461,6 +501,7 @@ def build_model(
     interpret: bool | None = None,
     external_tables: bool = False,
     silu_kernel: str | None = None,
+    norm_kernel: str | None = None,
 ) -> HSTUModel:
     """`silu_kernel`: "compiled" or "interpret" runs the uvqk SiLU's backward as one Pallas
     kernel (`HSTUModel.silu_kernel`, as torch runs its Triton one on CUDA); None (default)
@@ -468,11 +509,22 @@ def build_model(
     at bench_upstream batch 32 the kernel made jax's step 1 % slower (3 % before its residual
     was the GEMM's output; docs/BENCHMARKS.md). `HSTU_JAX_SILU_KERNEL=compiled` in the
     environment takes it where None was asked for (an A/B of the step in processes of their
-    own: `bash scripts/gpu_check.sh silu`)."""
+    own: `bash scripts/gpu_check.sh silu`).
+
+    `norm_kernel`: the same choices for each layer's input norm and gated norm as Pallas
+    kernels, one pass each way (`hstu_kernels.pallas.layer_norm`, the twin of torch's
+    `model.fused_norm` kernels), where XLA makes two to four (docs/BENCHMARKS.md, "jax:
+    device-bound at batch 32"); None (default) leaves them to flax and autodiff. Built and
+    checked in the interpreter, not yet timed on a GPU: `HSTU_JAX_NORM_KERNEL=compiled` in the
+    environment takes it where None was asked for (`ENV_SETS="|HSTU_JAX_NORM_KERNEL=compiled"
+    bash scripts/gpu_check.sh envs`)."""
     if silu_kernel is None and os.environ.get("HSTU_JAX_SILU_KERNEL"):
         silu_kernel = os.environ["HSTU_JAX_SILU_KERNEL"]
-    if silu_kernel not in (None, "compiled", "interpret"):
-        raise ValueError(f"silu_kernel: expected compiled, interpret or None, got {silu_kernel!r}")
+    if norm_kernel is None and os.environ.get("HSTU_JAX_NORM_KERNEL"):
+        norm_kernel = os.environ["HSTU_JAX_NORM_KERNEL"]
+    for name, value in (("silu_kernel", silu_kernel), ("norm_kernel", norm_kernel)):
+        if value not in (None, "compiled", "interpret"):
+            raise ValueError(f"{name}: expected compiled, interpret or None, got {value!r}")
     attn = AttentionConfig(
         cfg.attention_impl("jax"),
         max_seqlen,
@@ -481,7 +533,7 @@ def build_model(
         interpret,
         cfg.pallas_lowering,
     )
-    return HSTUModel(cfg, attn, external_tables, silu_kernel)
+    return HSTUModel(cfg, attn, external_tables, silu_kernel, norm_kernel)
 
 
 _LAYER = re.compile(r"^layers_(\d+)$")

@@ -70,8 +70,11 @@ __all__ = [
 
 def _vma_checked(model: HSTUModel) -> bool:
     """Whether shard_map may check varying-axes types: pallas_call outputs carry none, so a
-    model running a Pallas kernel (attention, the uvqk SiLU's backward) runs unchecked."""
-    return model.attn.impl == "reference" and model.silu_kernel is None
+    model running a Pallas kernel (attention, the uvqk SiLU's backward, the norms) runs
+    unchecked."""
+    return (
+        model.attn.impl == "reference" and model.silu_kernel is None and model.norm_kernel is None
+    )
 
 
 def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:

@@ -244,6 +244,83 @@ def test_uvqk_silu_kernel_matches_autodiff(dtype, sharding):
     assert float(np.abs(grads["layers.0.uvqk.bias"]).max()) > 0  # the check reads real values
 
 
+# bf16 in the slow tier (the interpreted step, ~10 s on 2 cores); fp32 in `make test`
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_norm_kernels_match_autodiff(dtype, sharding):
+    """`norm_kernel`: each layer's input norm and gated norm as Pallas kernels (interpreted
+    here) give flax's and autodiff's loss and gradients in fp32, to rounding; the parameter
+    tree is the same (checkpoints and conversion unchanged). In bf16 the two paths round in
+    different places (the kernel rounds the residual stream's gradient once, autodiff the
+    norm's part and then the sum), so each is held to the fp32 model's gradients instead,
+    within the same band (both ~2-5 % of a gradient's largest entry here)."""
+    cfg = _cfg("ranking", f"model.dtype={dtype}")
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    dev = jb.local_view(jb.to_device([host], sharding))
+    params = params_to_flax(init_params(cfg.model, seed=0))
+
+    def run(norm_kernel, model_cfg=cfg.model):
+        model = build_model(model_cfg, cfg.data.max_seqlen, norm_kernel=norm_kernel)
+        assert model.norm_kernel == norm_kernel
+        init = model.init(jax.random.PRNGKey(0), dev, 11.0)["params"]
+        assert jax.tree.structure(init) == jax.tree.structure(params)
+        fn = jax.value_and_grad(lambda prm: model.apply({"params": prm}, dev, 11.0)[0])
+        kernels = _norm_kernels_in(fn, params)
+        assert kernels == ({"layer_norm_fwd", "gated_norm_fwd"} if norm_kernel else set())
+        loss, grads = jax.jit(fn)(params)
+        return float(loss), flax_to_params(grads)
+
+    def check(got, want, tol):
+        loss, grads = got
+        want_loss, want_grads = want
+        np.testing.assert_allclose(loss, want_loss, rtol=tol)
+        assert grads.keys() == want_grads.keys()
+        for name, g in grads.items():
+            w = want_grads[name]
+            scale = max(float(np.abs(w).max()), 1e-6)
+            assert float(np.abs(g - w).max()) <= tol * scale, name
+
+    got = run("interpret")
+    if dtype == "float32":
+        check(got, run(None), 1e-5)
+    else:
+        fp32 = run(None, _cfg("ranking", "model.dtype=float32").model)
+        check(got, fp32, 6e-2)
+        check(run(None), fp32, 6e-2)  # autodiff's bf16 step, in the same band
+    for name in ("layers.0.input_norm.scale", "layers.1.attn_norm.bias"):
+        assert float(np.abs(got[1][name]).max()) > 0  # the check reads real values
+
+
+def _norm_kernels_in(fn, *args) -> set[str]:
+    """The norm kernels' forward names among `fn`'s Pallas calls (its jaxpr, backward
+    included: the custom rules' forward kernels appear there)."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    return {name for name in ("layer_norm_fwd", "gated_norm_fwd") if name in text}
+
+
+def test_norm_kernel_choice(monkeypatch, sharding):
+    """The norm kernels run only when asked for (not yet timed on a GPU), in a process of its
+    own through the environment; a width they cannot take falls back to flax's norm."""
+    cfg = _cfg("ranking")
+    assert build_model(cfg.model, 8).norm_kernel is None
+    with pytest.raises(ValueError, match="norm_kernel: expected compiled, interpret or None"):
+        build_model(cfg.model, 8, norm_kernel="triton")
+    monkeypatch.setenv("HSTU_JAX_NORM_KERNEL", "compiled")
+    assert build_model(cfg.model, 8).norm_kernel == "compiled"
+    assert build_model(cfg.model, 8, norm_kernel="interpret").norm_kernel == "interpret"
+    monkeypatch.delenv("HSTU_JAX_NORM_KERNEL")
+    # a width of 24: not a power of two, so flax's LayerNorm runs and the loss is autodiff's
+    odd = _cfg("ranking", "model.embedding_dim=24")
+    host = dataset_from_config(odd, 1, 0).batch(0)
+    dev = jb.local_view(jb.to_device([host], sharding))
+    params = params_to_flax(init_params(odd.model, seed=0))
+    models = [
+        build_model(odd.model, odd.data.max_seqlen, norm_kernel=k) for k in (None, "interpret")
+    ]
+    losses = [float(m.apply({"params": params}, dev, 11.0)[0]) for m in models]
+    assert losses[0] == losses[1]
+    assert _norm_kernels_in(lambda p: models[1].apply({"params": p}, dev, 11.0), params) == set()
+
+
 def test_silu_kernel_choice(monkeypatch):
     """The kernel runs only when asked for (by default autodiff's backward, on a GPU too: the
     kernel timed slower there); the layer falls back to autodiff where its column blocks do
