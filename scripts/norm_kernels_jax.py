@@ -75,15 +75,29 @@ def main(argv=None) -> None:
             "gated norm": (jax.jit(gated), jax.jit(gated_both), (a, u, w, b)),
         }
 
-    paths = {"xla": make(False), "pallas": make(True)}
+    def kernel_path(forward: str):
+        """The kernels' path with their forwards as `forward` says (`layer_norm.FORWARD`),
+        each function traced and compiled while it says so (jit keeps that trace)."""
+        saved, kn.FORWARD = kn.FORWARD, forward
+        try:
+            cases = make(True)
+            for fwd, both, inputs in cases.values():
+                jax.block_until_ready((fwd(*inputs), both(*inputs)))
+        finally:
+            kn.FORWARD = saved
+        return cases
+
+    # "pallas": both passes the kernels'; "pallas bwd": the forwards XLA's, the backward kernels
+    paths = {"xla": make(False), "pallas": kernel_path("kernel"), "pallas bwd": kernel_path("xla")}
     for case in paths["xla"]:
         _, want_fn, inputs = paths["xla"][case]
-        _, got_fn, _ = paths["pallas"][case]
-        for g, r in zip(got_fn(*inputs), want_fn(*inputs), strict=True):
-            g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-            err = float(np.abs(g - r).max()) / max(float(np.abs(r).max()), 1e-6)
-            if err > 2e-2:
-                raise SystemExit(f"{case}: the kernels differ from flax by {err:.3g} (relative)")
+        for path in ("pallas", "pallas bwd"):
+            got = paths[path][case][1](*inputs)
+            for g, r in zip(got, want_fn(*inputs), strict=True):
+                g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+                err = float(np.abs(g - r).max()) / max(float(np.abs(r).max()), 1e-6)
+                if err > 2e-2:
+                    raise SystemExit(f"{case}, {path}: {err:.3g} (relative) from flax's")
         print(f"checked: {case}")
     if args.interpret:
         return
@@ -97,11 +111,12 @@ def main(argv=None) -> None:
     if ms is None:
         raise SystemExit("no device events in the trace (not a GPU?)")
     print(f"\n{t} x {d} bf16, device ms per call (median of {args.rounds} rounds)")
-    print(f"{'case':<24} {'pass':<8} {'xla':>8} {'pallas':>8} {'pallas/xla':>11}")
+    print(f"{'case':<24} {'pass':<8} " + " ".join(f"{p:>11}" for p in paths) + "  (/ xla)")
     for case in paths["xla"]:
         for part in ("fwd", "fwd+bwd"):
-            x_ms, p_ms = ms[f"{case} | xla | {part}"], ms[f"{case} | pallas | {part}"]
-            print(f"{case:<24} {part:<8} {x_ms:8.4f} {p_ms:8.4f} {p_ms / x_ms:11.3f}")
+            got = [ms[f"{case} | {p} | {part}"] for p in paths]
+            ratios = " ".join(f"{v / got[0]:6.3f}" for v in got[1:])
+            print(f"{case:<24} {part:<8} " + " ".join(f"{v:11.4f}" for v in got) + f"  {ratios}")
 
     if args.sweep:
         saved = kn.ROWS_PER_PROGRAM, kn._tiles, kn.BWD_STAGES

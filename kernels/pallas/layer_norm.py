@@ -32,6 +32,7 @@ the two in XLA; with the norm's backward in a kernel that add would be a pass of
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,12 @@ MAX_VALUES = 4096  # values per row slice (BLOCK_R x D): the slice's rows at D=1
 # Triton's software pipelining of the backward's slice loop (torch's kernel: 3 stages took its
 # pair of backward calls from 95.0 to 77.5 us at 12288 x 1024 on an H200); no value changes
 BWD_STAGES = 3
+# "xla": the forwards in jnp for XLA to fuse (the same values up to the sums' order; XLA makes
+# one pass of the input norm already, four of the gated one), the backwards the kernels'; an
+# A/B of the step in processes of their own (`HSTU_PALLAS_NORM_FORWARD=xla`)
+FORWARD = os.environ.get("HSTU_PALLAS_NORM_FORWARD", "kernel")
+if FORWARD not in ("kernel", "xla"):
+    raise ValueError(f"HSTU_PALLAS_NORM_FORWARD: expected kernel or xla, got {FORWARD!r}")
 
 
 def supports(rows: int, d: int) -> str | None:
@@ -100,7 +107,22 @@ def _fwd_kernel(*refs, rows, d, eps, block_r, gated):
     _store(rstd_ref.at[pl.ds(r0, block_r)], rstd, mask=ok)
 
 
+def _forward_xla(x, scale, bias, u, eps, out_dtype):
+    """`_forward`'s values in jnp (`FORWARD = "xla"`)."""
+    f32 = jnp.float32
+    x32 = x.astype(f32)
+    mean = jnp.mean(x32, axis=1)
+    xc = x32 - mean[:, None]
+    rstd = lax.rsqrt(jnp.mean(xc * xc, axis=1) + eps)
+    y = xc * (rstd[:, None] * scale.astype(f32)[None, :]) + bias.astype(f32)[None, :]
+    if u is not None:
+        y = y * u.astype(f32)
+    return y.astype(out_dtype), mean, rstd
+
+
 def _forward(x, scale, bias, u, eps, out_dtype, interpret):
+    if FORWARD == "xla":
+        return _forward_xla(x, scale, bias, u, eps, out_dtype)
     rows, d = x.shape
     block_r, warps = _tiles(d)
     kwargs = {} if interpret else {"compiler_params": _compiler_params(warps, 1)}

@@ -117,6 +117,23 @@ def test_gradients_match_autodiff(dtype):
     assert float(np.abs(np.asarray(got[0], np.float32)).max()) > 0
 
 
+def test_the_xla_forward_gives_the_kernels_values(monkeypatch):
+    """`HSTU_PALLAS_NORM_FORWARD=xla` (an A/B of the step): the forwards in jnp, the same
+    values up to the sums' order, the backward the same kernel."""
+    from hstu_kernels.pallas import layer_norm as kn
+
+    x, u, w, b = _inputs(150, 64, seed=6)
+    y = gated_norm(x, u, w, b, EPS, x.dtype, True)
+    monkeypatch.setattr(kn, "FORWARD", "xla")
+    _close(gated_norm(x, u, w, b, EPS, x.dtype, True), y, jnp.bfloat16)
+    _close(_kernel_residual(x, w, b)[0], _flax(x, w, b), jnp.bfloat16)
+    dy = jnp.ones_like(x)
+    _, vjp = jax.vjp(lambda x: gated_norm(x, u, w, b, EPS, x.dtype, True), x)
+    monkeypatch.setattr(kn, "FORWARD", "kernel")
+    _, want = jax.vjp(lambda x: gated_norm(x, u, w, b, EPS, x.dtype, True), x)
+    _close(vjp(dy)[0], want(dy)[0], jnp.bfloat16)
+
+
 def test_padding_rows_add_nothing_and_sum_in_the_same_groups():
     """Zero rows with a zero upstream gradient after the real ones (a capacity's padding)
     leave the real rows' outputs and the parameters' gradients bit for bit as without them."""
