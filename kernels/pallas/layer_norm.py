@@ -15,11 +15,12 @@ model's fp32 parameters) and their gradients come back in fp32.
 Why a kernel: XLA makes several passes of these (docs/BENCHMARKS.md, "jax: device-bound at
 batch 32"): the gated norm's forward in four kernels (the mean, the variance, an rsqrt, the
 apply), its backward in three; the input norm's backward in one fusion for dx and, for the
-parameters' gradients, a product ``dy * xhat`` written out and reduced by kernels of their own
-(~65 us a layer at bench_upstream's batch 32 on an H200, where the bytes that must move take
-~20). Here the backward reads ``x``, ``dy`` (and ``u``, or the residual's gradient) once,
-writes ``dx`` (and ``du``), and sums the parameters' gradients in per-program fp32 partials
-that a small reduction adds up, as the torch kernel does.
+parameters' gradients, column reductions of their own (by the profile's kernel names, over a
+``dy * xhat`` product written out first; ~65 us a layer at bench_upstream's batch 32 on an
+H200, where the bytes that must move take ~20). Here the backward reads ``x``, ``dy`` (and
+``u``, or the residual's gradient) once, writes ``dx`` (and ``du``), and sums the parameters'
+gradients in per-program fp32 partials that a small reduction adds up, as the torch kernel
+does.
 
 The backward's rows per program are fixed (``ROWS_PER_PROGRAM``), not sized from T, so the
 parameters' gradients are summed over the same groups of rows whatever capacity padding follows
