@@ -73,7 +73,8 @@ has-mosaic-python:
 
 test-mosaic: $(MOSAIC_STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-		$(MOSAIC_VENV)/bin/python -m pytest -q tests/unit/test_pallas_mosaic.py
+		$(MOSAIC_VENV)/bin/python -m pytest -q tests/unit/test_pallas_mosaic.py \
+		tests/unit/test_pallas_layer_norm.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
