@@ -213,6 +213,18 @@ def test_gradients_are_finite_with_padding(task, sharding):
     assert bad == []
 
 
+def _assert_close_loss_and_grads(got, want, tol: float) -> None:
+    """`(loss, core-named grads)` pairs: the loss within `tol` relative, each gradient within
+    `tol` of the largest entry of `want`'s."""
+    (loss, grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(loss, want_loss, rtol=tol)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        w = want_grads[name]
+        scale = max(float(np.abs(w).max()), 1e-6)
+        assert float(np.abs(g - w).max()) <= tol * scale, name
+
+
 # bf16 (~12 s interpreted on 2 cores) in the slow tier; fp32, the tighter check, in `make test`
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_uvqk_silu_kernel_matches_autodiff(dtype, sharding):
@@ -232,16 +244,9 @@ def test_uvqk_silu_kernel_matches_autodiff(dtype, sharding):
         loss, grads = jax.jit(fn)(params)
         return float(loss), flax_to_params(grads)
 
-    loss, grads = run("interpret")
-    want_loss, want = run(None)
-    tol = 1e-5 if dtype == "float32" else 2e-2
-    np.testing.assert_allclose(loss, want_loss, rtol=tol)
-    assert grads.keys() == want.keys()
-    for name, g in grads.items():
-        w = want[name]
-        scale = max(float(np.abs(w).max()), 1e-6)
-        assert float(np.abs(g - w).max()) <= tol * scale, name
-    assert float(np.abs(grads["layers.0.uvqk.bias"]).max()) > 0  # the check reads real values
+    got = run("interpret")
+    _assert_close_loss_and_grads(got, run(None), 1e-5 if dtype == "float32" else 2e-2)
+    assert float(np.abs(got[1]["layers.0.uvqk.bias"]).max()) > 0  # the check reads real values
 
 
 # bf16 in the slow tier (the interpreted step, ~10 s on 2 cores); fp32 in `make test`
@@ -269,23 +274,13 @@ def test_norm_kernels_match_autodiff(dtype, sharding):
         loss, grads = jax.jit(fn)(params)
         return float(loss), flax_to_params(grads)
 
-    def check(got, want, tol):
-        loss, grads = got
-        want_loss, want_grads = want
-        np.testing.assert_allclose(loss, want_loss, rtol=tol)
-        assert grads.keys() == want_grads.keys()
-        for name, g in grads.items():
-            w = want_grads[name]
-            scale = max(float(np.abs(w).max()), 1e-6)
-            assert float(np.abs(g - w).max()) <= tol * scale, name
-
     got = run("interpret")
     if dtype == "float32":
-        check(got, run(None), 1e-5)
+        _assert_close_loss_and_grads(got, run(None), 1e-5)
     else:
         fp32 = run(None, _cfg("ranking", "model.dtype=float32").model)
-        check(got, fp32, 6e-2)
-        check(run(None), fp32, 6e-2)  # autodiff's bf16 step, in the same band
+        _assert_close_loss_and_grads(got, fp32, 6e-2)
+        _assert_close_loss_and_grads(run(None), fp32, 6e-2)  # autodiff's bf16, the same band
     for name in ("layers.0.input_norm.scale", "layers.1.attn_norm.bias"):
         assert float(np.abs(got[1][name]).max()) > 0  # the check reads real values
 
