@@ -76,8 +76,9 @@ class ModelConfig:
     )
     fused_norm: bool = _opt(
         True,
-        "torch on CUDA: each LayerNorm (and the attention gating `attn_norm(a) * u`) as one "
-        "Triton kernel forward and one backward; jax: no effect (XLA fuses them itself)",
+        "on a GPU: each LayerNorm (and the attention gating `attn_norm(a) * u`, or the "
+        "residual add's gradient) as one kernel forward and one backward, Triton in torch, "
+        "Pallas in jax (kernels/pallas/layer_norm.py); on CPU no effect (XLA's, torch's ops)",
     )
     fused_silu: bool = _opt(
         True,

@@ -228,15 +228,14 @@ print('torchrec', torchrec.__version__)" ;;
       # first over the same steps
       ab_envs envs "${ENV_SETS:-}" "$E2E_BACKENDS" ;;
     jnorm)
-      # jax's two norms as Pallas kernels (`hstu_kernels.pallas.layer_norm`, off unless
-      # HSTU_JAX_NORM_KERNEL=compiled): the GPU test, the kernels against XLA's fusions in
-      # device time (scripts/norm_kernels_jax.py $JNORM_ARGS, e.g. --sweep), then the step
-      # without them, with them, and with their backwards only (the forwards XLA's), as
-      # `envs` runs it (batch 32, $AB_ROUNDS x $AB_STEPS)
+      # jax's two norms as Pallas kernels (`hstu_kernels.pallas.layer_norm`, model.fused_norm
+      # on a GPU): the GPU test, the kernels against XLA's fusions in device time
+      # (scripts/norm_kernels_jax.py $JNORM_ARGS, e.g. --sweep), then the step without them,
+      # with them, and $JNORM_SETS (default: with their backwards only, the forwards XLA's),
+      # as `envs` runs it (batch 32, $AB_ROUNDS x $AB_STEPS)
       run jnorm_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_layer_norm.py
       run jnorm_kernels python scripts/norm_kernels_jax.py ${JNORM_ARGS:-}
-      ab_envs jnorm "|HSTU_JAX_NORM_KERNEL=compiled|HSTU_JAX_NORM_KERNEL=compiled \
-HSTU_PALLAS_NORM_FORWARD=xla" jax ;;
+      ab_envs jnorm "model.fused_norm=false||${JNORM_SETS:-HSTU_PALLAS_NORM_FORWARD=xla}" jax ;;
     silu)
       # jax's Pallas SiLU-backward kernel (off in the shipped step): its tiles swept at
       # bench_upstream's layer (scripts/silu_tiles.py), then the step with the best tiling

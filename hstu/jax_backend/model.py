@@ -513,15 +513,17 @@ def build_model(
 
     `norm_kernel`: the same choices for each layer's input norm and gated norm as Pallas
     kernels, one pass each way (`hstu_kernels.pallas.layer_norm`, the twin of torch's
-    `model.fused_norm` kernels), where XLA makes two to four (docs/BENCHMARKS.md, "jax:
-    device-bound at batch 32"); None (default) leaves them to flax and autodiff. Built and
-    checked in the interpreter, not yet timed on a GPU: `HSTU_JAX_NORM_KERNEL=compiled` in the
-    environment takes it where None was asked for (`ENV_SETS="|HSTU_JAX_NORM_KERNEL=compiled"
-    bash scripts/gpu_check.sh envs`)."""
+    `model.fused_norm` kernels), where XLA makes two to four; None leaves them to flax and
+    autodiff. Where None is asked for, `HSTU_JAX_NORM_KERNEL` in the environment chooses (an
+    A/B in processes of their own), else `model.fused_norm` on a GPU (`interpret=False`)
+    takes the compiled kernels: on an H200 at bench_upstream batch 32 they made jax's step
+    5.7 % faster (docs/BENCHMARKS.md, "jax: the norms as Pallas kernels")."""
     if silu_kernel is None and os.environ.get("HSTU_JAX_SILU_KERNEL"):
         silu_kernel = os.environ["HSTU_JAX_SILU_KERNEL"]
     if norm_kernel is None and os.environ.get("HSTU_JAX_NORM_KERNEL"):
         norm_kernel = os.environ["HSTU_JAX_NORM_KERNEL"]
+    elif norm_kernel is None and cfg.fused_norm and interpret is False:
+        norm_kernel = "compiled" if jax.default_backend() == "gpu" else None
     for name, value in (("silu_kernel", silu_kernel), ("norm_kernel", norm_kernel)):
         if value not in (None, "compiled", "interpret"):
             raise ValueError(f"{name}: expected compiled, interpret or None, got {value!r}")

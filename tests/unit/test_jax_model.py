@@ -293,10 +293,18 @@ def _norm_kernels_in(fn, *args) -> set[str]:
 
 
 def test_norm_kernel_choice(monkeypatch, sharding):
-    """The norm kernels run only when asked for (not yet timed on a GPU), in a process of its
-    own through the environment; a width they cannot take falls back to flax's norm."""
+    """The compiled norm kernels by default on a GPU only (`model.fused_norm`), where they
+    are faster than XLA's fusions; any other choice through the environment (a process of its
+    own) or the argument; a width they cannot take falls back to flax's norm."""
     cfg = _cfg("ranking")
     assert build_model(cfg.model, 8).norm_kernel is None
+    assert build_model(cfg.model, 8, interpret=False).norm_kernel is None  # a CPU: XLA's
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert build_model(cfg.model, 8, interpret=False).norm_kernel == "compiled"
+    assert build_model(cfg.model, 8, interpret=True).norm_kernel is None
+    off = _cfg("ranking", "model.fused_norm=false")
+    assert build_model(off.model, 8, interpret=False).norm_kernel is None
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="norm_kernel: expected compiled, interpret or None"):
         build_model(cfg.model, 8, norm_kernel="triton")
     monkeypatch.setenv("HSTU_JAX_NORM_KERNEL", "compiled")
