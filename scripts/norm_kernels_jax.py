@@ -10,8 +10,8 @@ tiles (rows per backward program, rows per slice, warps, the backward's stages).
 In the model the gated norm's input is the attention's output, gathered from the Mosaic
 kernels' tiles: XLA fuses that gather into flax's norm kernels, and the Pallas kernel reads it
 materialised (a copy XLA adds in front of it). Here both read a plain array, so the gated row
-leaves that copy out: the step's A/B (`ENV_SETS="|HSTU_JAX_NORM_KERNEL=compiled" bash
-scripts/gpu_check.sh envs`) is the figure that counts.
+leaves that copy out: the step's A/B (`bash scripts/gpu_check.sh jnorm`, the step without
+the kernels, `model.fused_norm=false`, against it with them) is the figure that counts.
 
     python scripts/norm_kernels_jax.py [--tokens 11264] [--calls 20] [--rounds 5] [--sweep]
 """

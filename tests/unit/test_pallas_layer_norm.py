@@ -1,6 +1,6 @@
 """The HSTU layer's two LayerNorms as Pallas kernels (``kernels/pallas/layer_norm.py``) against
 flax's LayerNorm and autodiff, in the Pallas interpreter (compiled on a GPU below, and in the
-step through ``HSTU_JAX_NORM_KERNEL=compiled``). `make test-mosaic` runs them too, under the
+step there by default, `model.fused_norm`). `make test-mosaic` runs them too, under the
 GPU image's jax (0.11.2), whose environment has no flax: there the norm's jnp statement
 (`layer_norm_reference`, flax's arithmetic) stands in for it."""
 
