@@ -268,6 +268,64 @@ def invariance(tasks: list, cases: list) -> dict:
     return {"results": out}
 
 
+def norm_kernels(real: list) -> dict:
+    """The loss and gradients of one global batch on every device (shard_map, its varying-axes
+    checks off once a Pallas kernel runs), with the norms as Pallas kernels (interpreted) and
+    without, each placed by identity and by the balanced allgather exchange: what a GPU runs by
+    default (`model.fused_norm`) at W > 1, against flax's norms."""
+    import jax
+    import numpy as np
+
+    from hstu.jax_backend import collectives as col
+    from hstu.jax_backend.model import build_model, flax_to_params
+    from hstu.jax_backend.shuffler import JaxShuffler
+    from hstu.jax_backend.train_step import init_state, make_loss_fn, make_optimizer
+    from hstu.params import init_params
+    from hstu.testing import make_global_batch
+    from hstu.workload import HSTUCost
+
+    mesh = col.make_mesh(jax.devices())
+    cfg = _cfg("ranking", "model.num_layers=2", "data.max_history=40")
+    state = init_state(init_params(cfg.model, 0), make_optimizer(cfg.train), mesh)
+    host = make_global_batch(cfg, 6, real, first_id=sum(real))
+    cost = HSTUCost.from_model_config(cfg.model)
+    results, in_jaxpr = {}, {}
+    for kernel in (None, "interpret"):
+        model = build_model(cfg.model, cfg.data.max_seqlen, norm_kernel=kernel)
+        grad_fn = jax.value_and_grad(make_loss_fn(model, mesh, train=False), has_aux=True)
+        for shuffler in ("identity", "balanced"):
+            prep = JaxShuffler(mesh, "allgather").shuffle(host, cost, "ranking", shuffler=shuffler)
+            batch, tokens = prep.device_batch.batch, prep.device_batch.loss_tokens_device
+            args = (state.params, batch, tokens, state.rng)
+            in_jaxpr[str(kernel)] = "gated_norm_fwd" in str(jax.make_jaxpr(grad_fn)(*args))
+            (loss, _), grads = jax.jit(grad_fn)(*args)
+            results[(kernel, shuffler)] = (
+                float(loss),
+                flax_to_params(grads),
+                prep.plan.num_moved(),
+            )
+    base_loss, base_grads, _ = results[(None, "identity")]
+    out = []
+    for (kernel, shuffler), (loss, grads, moved) in results.items():
+        worst = max(
+            float(
+                np.linalg.norm(grads[k] - base_grads[k]) / max(np.linalg.norm(base_grads[k]), 1e-30)
+            )
+            for k in base_grads
+        )
+        out.append(
+            {
+                "kernel": kernel,
+                "shuffler": shuffler,
+                "moved": moved,
+                "loss_rel": abs(loss - base_loss) / abs(base_loss),
+                "grad_rel": worst,
+                "norm_grad": float(np.abs(grads["layers.1.attn_norm.scale"]).max()),
+            }
+        )
+    return {"world": mesh.size, "results": out, "in_jaxpr": in_jaxpr}
+
+
 def table_rows(cases: list) -> dict:
     """Three balanced steps of the whole train step (AdamW, donation off) with the item
     table's gradient from the global batch's rows (`table_rows`) and from the dense

@@ -41,6 +41,21 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
 
 @pytest.mark.slow
 @pytest.mark.multirank
+def test_norm_kernels_at_four_devices_give_flax_norms_loss_and_gradients():
+    """The norms as Pallas kernels (interpreted; a GPU's default) at W=4 under shard_map, by
+    identity and balanced placement: flax's loss and gradients in fp32 (rel 1e-5)."""
+    out = run_worker("norm_kernels", devices=4, real=[6, 5, 0, 2])
+    assert out["world"] == 4
+    assert out["in_jaxpr"] == {"None": False, "interpret": True}
+    assert len(out["results"]) == 4
+    for r in out["results"]:
+        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        assert r["norm_grad"] > 0, r  # the norms' parameters get gradients
+        assert (r["moved"] > 0) == (r["shuffler"] == "balanced"), r
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_every_rank_timed_on_one_device_compiles_once():
     """The e2e probes time each rank's shard on the process's first device: one compile of
     the forward + backward for all ranks, where each rank on its own device compiles again."""
