@@ -190,6 +190,45 @@ def _linear_bwd(res, g):
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
+# The flax collection of the linears' weights in the compute dtype, written by the previous
+# step's optimizer update (`weight_copies`), so that a step does not cast its fp32 kernels again
+COPIES = "copies"
+
+
+@jax.custom_vjp
+def _linear_copied(x: jax.Array, kernel: jax.Array, copy: jax.Array, bias: jax.Array):
+    """`_linear` with `copy` (`kernel` in `x`'s dtype) as the forward's weight: the same
+    values, fp32 gradients for `kernel`, none for `copy` (a copy, not a parameter)."""
+    return _linear_copied_fwd(x, kernel, copy, bias)[0]
+
+
+def _linear_copied_fwd(x, kernel, copy, bias):
+    return jnp.matmul(x, copy) + bias.astype(x.dtype), (x, copy)
+
+
+def _linear_copied_bwd(res, g):
+    dx, dw, db = _linear_bwd(res, g)
+    return dx, dw, jnp.zeros_like(res[1]), db
+
+
+_linear_copied.defvjp(_linear_copied_fwd, _linear_copied_bwd)
+
+
+def weight_copies(params: dict, dtype) -> dict:
+    """The `COPIES` collection for `params` (a Flax params tree): every HSTU layer's linear
+    kernels in `dtype`, nested as the params are. Each step's update writes them for the next
+    step (`TrainState.copies`), as torch's `adamw_multi_` writes its bf16 copies: the cast
+    joins the optimizer's pass over the weights instead of a pass of its own in the forward."""
+    return {
+        name: {
+            sub: {"kernel": leaf["kernel"].astype(dtype)}
+            for sub, leaf in layer.items()
+            if isinstance(leaf, dict) and "kernel" in leaf
+        }
+        for name, layer in params.items()
+        if _LAYER.match(name)
+    }
+
 
 def _silu_kernel():
     return importlib.import_module("hstu_kernels.pallas.silu_bwd")
@@ -266,9 +305,19 @@ class Linear(nn.Module):
         # under shard_map's type check the parameters (replicated) enter as varying like `x`:
         # a custom rule's gradient must have its input's type, and this cast's transpose is
         # the sum over ranks that autodiff adds for a replicated input
+        copy = self.get_variable(COPIES, "kernel") if self.has_variable(COPIES, "kernel") else None
         vary = tuple(sorted(_varying(x) - _varying(kernel)))
         if vary:
             kernel, bias = (jax.lax.pcast(p, vary, to="varying") for p in (kernel, bias))
+            if copy is not None:
+                copy = jax.lax.pcast(copy, vary, to="varying")
+        if copy is not None and self.silu_split is None:
+            if copy.dtype != self.dtype or copy.shape != kernel.shape:
+                raise ValueError(
+                    f"{self.name}: weight copy {copy.dtype}{list(copy.shape)}, expected "
+                    f"{jnp.dtype(self.dtype)}{list(kernel.shape)}"
+                )
+            return _linear_copied(x.astype(self.dtype), kernel, copy, bias)
         if self.silu_split is not None:
             return _linear_silu_split(
                 x.astype(self.dtype), kernel, bias, self.silu_split, self.silu_interpret

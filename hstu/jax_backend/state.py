@@ -8,6 +8,7 @@ store and convert this state), so that none of those import each other in a circ
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -31,6 +32,10 @@ class TrainState:
     # Sharded tables (embedding.py's `device_tables` tree: weights, their optimizer's state and
     # count), rows over the mesh; None when the tables are dense params (embedding.sharding=none)
     tables: Any = None
+    # The HSTU layers' linear kernels in the compute dtype (`model.weight_copies`), written by
+    # each step's update for the next step's forward; None: the forward casts them. Derived
+    # from `params`: not checkpointed (`with_copies` makes them again after a restore)
+    copies: Any = None
 
     def as_dict(self) -> dict:
         out = {
@@ -46,6 +51,25 @@ class TrainState:
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         return cls(d["params"], d["opt_state"], d["step"], d["rng"], d.get("tables"))
+
+
+def copies_wanted(model_dtype: str) -> bool:
+    """Whether a run keeps `TrainState.copies`: a reduced-precision model with
+    `HSTU_JAX_WEIGHT_COPIES=1` in the environment (not yet timed on a GPU; an A/B in
+    processes of their own: `ENV_SETS="|HSTU_JAX_WEIGHT_COPIES=1" bash scripts/gpu_check.sh
+    envs`)."""
+    flag = os.environ.get("HSTU_JAX_WEIGHT_COPIES", "0")
+    if flag not in ("0", "1"):
+        raise HSTUError(f"HSTU_JAX_WEIGHT_COPIES: expected 0 or 1, got {flag!r}")
+    return flag == "1" and model_dtype != "float32"
+
+
+def with_copies(state: TrainState, dtype) -> TrainState:
+    """`state` with its weight copies in `dtype` made from its params (replicated as they are)."""
+    from hstu.jax_backend.model import weight_copies
+
+    copies = jax.jit(weight_copies, static_argnums=1)(state.params, jnp.dtype(dtype))
+    return dataclasses.replace(state, copies=copies)
 
 
 @jax.jit

@@ -40,14 +40,16 @@ from hstu.jax_backend.batch import (
     packed_width,
     spec_at_capacity,
 )
-from hstu.jax_backend.model import HSTUModel
+from hstu.jax_backend.model import COPIES, DTYPES, HSTUModel, weight_copies
 from hstu.jax_backend.shuffler import JaxShuffler, Placed
 from hstu.jax_backend.state import (
     TrainState,
+    copies_wanted,
     copy_state,
     init_sharded_state,
     init_state,
     make_optimizer,
+    with_copies,
 )
 from hstu.pipeline import STAT_LOSS_TOKENS
 
@@ -77,16 +79,30 @@ def _vma_checked(model: HSTUModel) -> bool:
     )
 
 
+def _variables(params, copies) -> dict:
+    """`model.apply`'s variables: the params, and the weights' copies where the state has them
+    (`TrainState.copies`)."""
+    return {"params": params} if copies is None else {"params": params, COPIES: copies}
+
+
+def _next_copies(copies, params):
+    """The next step's weight copies from the updated `params` (None where there are none)."""
+    if copies is None:
+        return None
+    return weight_copies(params, jax.tree.leaves(copies)[0].dtype)
+
+
 def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
-    """`(params, batch, global_loss_tokens, rng) -> (loss, aux)`: global, over all ranks.
+    """`(params, batch, global_loss_tokens, rng, copies=None) -> (loss, aux)`: global, over
+    all ranks; `copies`: the linears' weights in the compute dtype (`TrainState.copies`).
 
     Differentiable: its gradient is the all-reduced gradient. `batch` is a global DeviceBatch.
     """
 
-    def per_rank(params, batch, global_loss_tokens, rng):
+    def per_rank(params, batch, global_loss_tokens, rng, copies):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
         loss, aux = model.apply(
-            {"params": params},
+            _variables(params, copies),
             local_view(batch),
             global_loss_tokens,
             deterministic=not train,
@@ -96,17 +112,23 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
 
     # unchecked with a Pallas kernel (`_vma_checked`); the gradient of the replicated params
     # is the psum of per-rank gradients either way.
-    return col.shard_map(
+    inner = col.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(col.DATA_AXIS), P(), P()),
+        in_specs=(P(), P(col.DATA_AXIS), P(), P(), P()),
         out_specs=(P(), P()),
         check=_vma_checked(model),
     )
 
+    def loss_fn(params, batch, global_loss_tokens, rng, copies=None):
+        return inner(params, batch, global_loss_tokens, rng, copies)
+
+    return loss_fn
+
 
 def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
-    """`(params, rows, ids, batch, global_loss_tokens, rng) -> (loss, aux)`: `make_loss_fn`'s
+    """`(params, rows, ids, batch, global_loss_tokens, rng, copies=None) -> (loss, aux)`:
+    `make_loss_fn`'s
     loss with the item table read from `rows [U, D]`, the table's rows at the sorted ids
     `ids [U]` (every id the global batch reads), instead of the parameter.
 
@@ -116,10 +138,10 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     came out wrong under `check_vma` (jax 0.10.2, 4 CPU devices: every rank's row gradients
     summed into one row), while the dense params' did not."""
 
-    def per_rank(params, rows, ids, batch, global_loss_tokens, rng):
+    def per_rank(params, rows, ids, batch, global_loss_tokens, rng, copies):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
         loss, aux = model.apply(
-            {"params": params},
+            _variables(params, copies),
             local_view(batch),
             global_loss_tokens,
             deterministic=False,
@@ -131,15 +153,15 @@ def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     inner = col.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(col.DATA_AXIS), P(), P(col.DATA_AXIS), P(), P()),
+        in_specs=(P(), P(col.DATA_AXIS), P(), P(col.DATA_AXIS), P(), P(), P()),
         out_specs=(P(), P()),
         check=_vma_checked(model),
     )
     world = mesh.devices.size
 
-    def loss_fn(params, rows, ids, batch, global_loss_tokens, rng):
+    def loss_fn(params, rows, ids, batch, global_loss_tokens, rng, copies=None):
         per_rank_rows = jax.numpy.broadcast_to(rows[None], (world, *rows.shape))
-        return inner(params, per_rank_rows, ids, batch, global_loss_tokens, rng)
+        return inner(params, per_rank_rows, ids, batch, global_loss_tokens, rng, copies)
 
     return loss_fn
 
@@ -246,14 +268,16 @@ def make_train_step(
     rows_loss_fn = make_rows_loss_fn(model, mesh)
     num_items = model.cfg.num_items
 
-    def grads_of(params, batch, global_loss_tokens, rng):
+    def grads_of(params, batch, global_loss_tokens, rng, copies):
         table = params["embedding"]["item"]
         read = read_rows(table, batch) if table_rows else None
         if read is None:
-            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, global_loss_tokens, rng)
+            return jax.value_and_grad(loss_fn, has_aux=True)(
+                params, batch, global_loss_tokens, rng, copies
+            )
         ids, rows = read
         out, (grads, g_rows) = jax.value_and_grad(rows_loss_fn, argnums=(0, 1), has_aux=True)(
-            params, rows, ids, batch, global_loss_tokens, rng
+            params, rows, ids, batch, global_loss_tokens, rng, copies
         )
         slot = emb.slot_map(ids, num_items)
         g_table = jnp.where(slot[:, None] >= 0, g_rows[jnp.maximum(slot, 0)], 0.0)
@@ -262,25 +286,26 @@ def make_train_step(
 
     def step(state: TrainState, batch: DeviceBatch, global_loss_tokens):
         rng = jax.random.fold_in(state.rng, state.step)
-        (loss, aux), grads = grads_of(state.params, batch, global_loss_tokens, rng)
+        (loss, aux), grads = grads_of(state.params, batch, global_loss_tokens, rng, state.copies)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm(grads), **aux}
-        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
+        copies = _next_copies(state.copies, params)
+        return TrainState(params, opt_state, state.step + 1, state.rng, copies=copies), metrics
 
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
 def make_sharded_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
-    """`(params, ids, rows, batch, global_loss_tokens, rng) -> (loss, aux)` of a model with
-    external tables: `ids[name] [W, U]`, `rows[name] [W, U, D]` each rank's cache
+    """`(params, ids, rows, batch, global_loss_tokens, rng, copies=None) -> (loss, aux)` of a
+    model with external tables: `ids[name] [W, U]`, `rows[name] [W, U, D]` each rank's cache
     (`embedding.make_lookup`). Its gradient with respect to `rows` is per rank (no sum)."""
 
-    def per_rank(params, ids, rows, batch, global_loss_tokens, rng):
+    def per_rank(params, ids, rows, batch, global_loss_tokens, rng, copies):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(col.DATA_AXIS))
         tables = {n: (ids[n][0], rows[n][0]) for n in ids}
         loss, aux = model.apply(
-            {"params": params},
+            _variables(params, copies),
             local_view(batch),
             global_loss_tokens,
             deterministic=not train,
@@ -290,13 +315,18 @@ def make_sharded_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Ca
         return jax.lax.psum((loss, aux), col.DATA_AXIS)
 
     ranks = P(col.DATA_AXIS)
-    return col.shard_map(
+    inner = col.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), ranks, ranks, ranks, P(), P()),
+        in_specs=(P(), ranks, ranks, ranks, P(), P(), P()),
         out_specs=(P(), P()),
         check=_vma_checked(model),
     )
+
+    def loss_fn(params, ids, rows, batch, global_loss_tokens, rng, copies=None):
+        return inner(params, ids, rows, batch, global_loss_tokens, rng, copies)
+
+    return loss_fn
 
 
 def make_sharded_train_step(
@@ -321,7 +351,7 @@ def make_sharded_train_step(
         routes, rows = lookup(state.tables["weights"], batch)
         ids = {n: r["uniq"] for n, r in routes.items()}
         (loss, aux), (grads, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 2), has_aux=True)(
-            state.params, ids, rows, batch, global_loss_tokens, rng
+            state.params, ids, rows, batch, global_loss_tokens, rng, state.copies
         )
         tables, table_sq = update(state.tables, routes, g_rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -330,7 +360,8 @@ def make_sharded_train_step(
             table_sq = 0.0
         norm = jax.numpy.sqrt(grad_norm(grads) ** 2 + table_sq)
         metrics = {"loss": loss, "grad_norm": norm, **aux}
-        return TrainState(params, opt_state, state.step + 1, state.rng, tables), metrics
+        copies = _next_copies(state.copies, params)
+        return TrainState(params, opt_state, state.step + 1, state.rng, tables, copies), metrics
 
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
@@ -653,6 +684,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     from hstu.params import init_params, init_table_rows
 
     tc, sharded = cfg.train, cfg.embedding.sharded
+    copies = copies_wanted(cfg.model.dtype)  # before any collective: a bad value is named
     mesh = col.make_mesh(devices)
     model = build_model(
         cfg.model,
@@ -673,6 +705,8 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     else:
         state = init_state(params, optimizer, mesh, tc.seed)
         step_fn = make_train_step(model, optimizer, mesh)
+    if copies:
+        state = with_copies(state, DTYPES[cfg.model.dtype])
     source = source if source is not None else source_from_config(cfg)
     policy = capacity.for_source(cfg, source, "jax")
     backend = JaxBackend(
@@ -691,7 +725,8 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     )
 
     def set_state(tree: dict) -> None:
-        backend.state = TrainState.from_dict(tree)
+        state = TrainState.from_dict(tree)
+        backend.state = with_copies(state, DTYPES[cfg.model.dtype]) if copies else state
 
     checkpointer = TrainCheckpointer(
         cfg.output_dir, tc.keep_checkpoints, lambda: backend.state.as_dict(), set_state

@@ -272,12 +272,13 @@ def norm_kernels(real: list) -> dict:
     """The loss and gradients of one global batch on every device (shard_map, its varying-axes
     checks off once a Pallas kernel runs), with the norms as Pallas kernels (interpreted) and
     without, each placed by identity and by the balanced allgather exchange: what a GPU runs by
-    default (`model.fused_norm`) at W > 1, against flax's norms."""
+    default (`model.fused_norm`) at W > 1, against flax's norms; and without them, the forward
+    reading the weights' copies (`TrainState.copies`, here in fp32: the same values)."""
     import jax
     import numpy as np
 
     from hstu.jax_backend import collectives as col
-    from hstu.jax_backend.model import build_model, flax_to_params
+    from hstu.jax_backend.model import build_model, flax_to_params, weight_copies
     from hstu.jax_backend.shuffler import JaxShuffler
     from hstu.jax_backend.train_step import init_state, make_loss_fn, make_optimizer
     from hstu.params import init_params
@@ -299,11 +300,12 @@ def norm_kernels(real: list) -> dict:
             args = (state.params, batch, tokens, state.rng)
             in_jaxpr[str(kernel)] = "gated_norm_fwd" in str(jax.make_jaxpr(grad_fn)(*args))
             (loss, _), grads = jax.jit(grad_fn)(*args)
-            results[(kernel, shuffler)] = (
-                float(loss),
-                flax_to_params(grads),
-                prep.plan.num_moved(),
-            )
+            moved = prep.plan.num_moved()
+            results[(kernel, shuffler)] = (float(loss), flax_to_params(grads), moved)
+            if kernel is None:  # the weights' copies (`TrainState.copies`) under shard_map
+                copies = weight_copies(state.params, jax.numpy.float32)
+                (loss, _), grads = jax.jit(grad_fn)(*args, copies)
+                results[("copies", shuffler)] = (float(loss), flax_to_params(grads), moved)
     base_loss, base_grads, _ = results[(None, "identity")]
     out = []
     for (kernel, shuffler), (loss, grads, moved) in results.items():

@@ -43,13 +43,16 @@ def test_identity_and_balanced_agree_on_loss_and_gradients():
 @pytest.mark.multirank
 def test_norm_kernels_at_four_devices_give_flax_norms_loss_and_gradients():
     """The norms as Pallas kernels (interpreted; a GPU's default) at W=4 under shard_map, by
-    identity and balanced placement: flax's loss and gradients in fp32 (rel 1e-5)."""
+    identity and balanced placement: flax's loss and gradients in fp32 (rel 1e-5); the
+    forward reading the weights' copies gives them exactly."""
     out = run_worker("norm_kernels", devices=4, real=[6, 5, 0, 2])
     assert out["world"] == 4
     assert out["in_jaxpr"] == {"None": False, "interpret": True}
-    assert len(out["results"]) == 4
+    assert len(out["results"]) == 6
     for r in out["results"]:
         assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        if r["kernel"] == "copies" and r["shuffler"] == "identity":
+            assert r["loss_rel"] == 0 and r["grad_rel"] == 0, r  # the same GEMM inputs
         assert r["norm_grad"] > 0, r  # the norms' parameters get gradients
         assert (r["moved"] > 0) == (r["shuffler"] == "balanced"), r
 

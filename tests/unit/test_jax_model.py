@@ -4,6 +4,7 @@ checkpoints (single device)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import numpy as np
@@ -861,3 +862,75 @@ def test_grad_norm_reduces_small_leaves_together():
     assert text.count("stablehlo.reduce") == 2  # the large leaf; the six small ones together
     assert "stablehlo.concatenate" in text
     assert float(grad_norm({"b": jnp.zeros((4,))})) == 0.0
+
+
+@pytest.mark.slow  # ~40 s: three short runs compiled
+def test_weight_copies_train_as_the_casts_and_resume(tmp_path, monkeypatch):
+    """`HSTU_JAX_WEIGHT_COPIES=1` (bf16): the linears' bf16 kernels written by each step's
+    update for the next step's forward give the same losses, bit for bit, as the forward's own
+    casts (the same values reach the same GEMMs); the copies are not checkpointed, and a
+    resumed run makes them again from the restored params and goes on as the run without."""
+    from hstu.jax_backend.model import COPIES, weight_copies
+    from hstu.jax_backend.state import copies_wanted, with_copies
+    from hstu.jax_backend.train_step import run_training
+
+    common = ["model.dtype=bfloat16", "model.num_layers=2", "train.steps=4", "train.log_every=100"]
+
+    def run(flag, out, *extra):
+        monkeypatch.setenv("HSTU_JAX_WEIGHT_COPIES", flag)
+        cfg = _cfg("ranking", *common, f"output_dir={tmp_path / out}", *extra)
+        return [r["loss"] for r in run_training(cfg, jax.devices()[:1])]
+
+    plain = run("0", "plain")
+    assert run("1", "copies", "train.checkpoint_every=2") == plain
+    ckpt = tmp_path / "copies" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
+    assert not list(ckpt.rglob(f"*{COPIES}*"))  # derived, not stored
+    import shutil
+
+    shutil.rmtree(ckpt / "step-4")
+    resumed = run("1", "copies", "train.checkpoint_every=2", "train.resume=true")
+    assert resumed == plain[2:]
+
+    params = params_to_flax(init_params(_cfg("ranking").model, seed=0))
+    copies = weight_copies(params, jnp.bfloat16)
+    assert set(copies) == {"layers_0", "layers_1"}
+    assert {k: set(v) for k, v in copies.items()} == {
+        "layers_0": {"uvqk", "output"},
+        "layers_1": {"uvqk", "output"},
+    }
+    assert copies["layers_0"]["uvqk"]["kernel"].dtype == jnp.bfloat16
+    monkeypatch.setenv("HSTU_JAX_WEIGHT_COPIES", "yes")
+    with pytest.raises(HSTUError, match="HSTU_JAX_WEIGHT_COPIES: expected 0 or 1, got 'yes'"):
+        copies_wanted("bfloat16")
+    monkeypatch.setenv("HSTU_JAX_WEIGHT_COPIES", "1")
+    assert copies_wanted("bfloat16") and not copies_wanted("float32")
+    mesh = col.make_mesh(jax.devices()[:1])
+    cfg = _cfg("ranking")
+    state = init_state(init_params(cfg.model, seed=0), make_optimizer(cfg.train), mesh)
+    state = with_copies(state, jnp.bfloat16)
+    assert "copies" not in state.as_dict()
+    model = build_model(cfg.model, cfg.data.max_seqlen)
+    host = dataset_from_config(cfg, 1, 0).batch(0)
+    dev = jb.local_view(jb.to_device([host], col.rank_sharding(mesh)))
+    # the step's forward reads the copies (zeroed ones change the loss), and hands on the
+    # updated params' copies
+    bf16 = _cfg("ranking", "model.dtype=bfloat16")
+    state16 = with_copies(
+        init_state(init_params(bf16.model, seed=0), make_optimizer(bf16.train), mesh),
+        jnp.bfloat16,
+    )
+    model16 = build_model(bf16.model, bf16.data.max_seqlen)
+    step = make_train_step(model16, make_optimizer(bf16.train), mesh, donate=False)
+    batch = jb.to_device([dataset_from_config(bf16, 1, 0).batch(0)], col.rank_sharding(mesh))
+    after, metrics = step(state16, batch, 11.0)
+    zeroed = jax.tree.map(jnp.zeros_like, state16.copies)
+    _, metrics0 = step(dataclasses.replace(state16, copies=zeroed), batch, 11.0)
+    assert float(metrics0["loss"]) != float(metrics["loss"])
+    want = weight_copies(after.params, jnp.bfloat16)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), after.copies, want))
+    wrong = jax.tree.map(lambda c: c.astype(jnp.float16), state.copies)
+    with pytest.raises(
+        ValueError, match=r"uvqk: weight copy float16\[16, 64\], expected float32\[16, 64\]"
+    ):
+        model.apply({"params": state.params, COPIES: wrong}, dev, 11.0)
