@@ -311,6 +311,7 @@ class Linear(nn.Module):
             kernel, bias = (jax.lax.pcast(p, vary, to="varying") for p in (kernel, bias))
             if copy is not None:
                 copy = jax.lax.pcast(copy, vary, to="varying")
+        # (the uvqk SiLU kernel's path casts its own: its copy, if any, goes unread)
         if copy is not None and self.silu_split is None:
             if copy.dtype != self.dtype or copy.shape != kernel.shape:
                 raise ValueError(

@@ -128,9 +128,8 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
 
 def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
     """`(params, rows, ids, batch, global_loss_tokens, rng, copies=None) -> (loss, aux)`:
-    `make_loss_fn`'s
-    loss with the item table read from `rows [U, D]`, the table's rows at the sorted ids
-    `ids [U]` (every id the global batch reads), instead of the parameter.
+    `make_loss_fn`'s loss with the item table read from `rows [U, D]`, the table's rows at the
+    sorted ids `ids [U]` (every id the global batch reads), instead of the parameter.
 
     Each rank gets its own copy of the rows (`[W, U, D]`, split by rank), so that their
     gradient is every rank's own, summed over the ranks outside (the transpose of the
