@@ -92,6 +92,16 @@ def _next_copies(copies, params):
     return weight_copies(params, jax.tree.leaves(copies)[0].dtype)
 
 
+def _copies_last(inner: Callable, arity: int) -> Callable:
+    """`inner` (a shard_map of `arity` positional arguments, the weights' copies last) with
+    the copies optional: None where left out (the forward casts the weights itself)."""
+
+    def fn(*args):
+        return inner(*args) if len(args) == arity else inner(*args, None)
+
+    return fn
+
+
 def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
     """`(params, batch, global_loss_tokens, rng, copies=None) -> (loss, aux)`: global, over
     all ranks; `copies`: the linears' weights in the compute dtype (`TrainState.copies`).
@@ -119,11 +129,7 @@ def make_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Callable:
         out_specs=(P(), P()),
         check=_vma_checked(model),
     )
-
-    def loss_fn(params, batch, global_loss_tokens, rng, copies=None):
-        return inner(params, batch, global_loss_tokens, rng, copies)
-
-    return loss_fn
+    return _copies_last(inner, 5)
 
 
 def make_rows_loss_fn(model: HSTUModel, mesh: Mesh) -> Callable:
@@ -321,11 +327,7 @@ def make_sharded_loss_fn(model: HSTUModel, mesh: Mesh, train: bool = True) -> Ca
         out_specs=(P(), P()),
         check=_vma_checked(model),
     )
-
-    def loss_fn(params, ids, rows, batch, global_loss_tokens, rng, copies=None):
-        return inner(params, ids, rows, batch, global_loss_tokens, rng, copies)
-
-    return loss_fn
+    return _copies_last(inner, 7)
 
 
 def make_sharded_train_step(
@@ -683,7 +685,8 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     from hstu.params import init_params, init_table_rows
 
     tc, sharded = cfg.train, cfg.embedding.sharded
-    copies = copies_wanted(cfg.model.dtype)  # before any collective: a bad value is named
+    # the weights' copies' dtype, or None (before any collective: a bad value is named)
+    copies = DTYPES[cfg.model.dtype] if copies_wanted(cfg.model.dtype) else None
     mesh = col.make_mesh(devices)
     model = build_model(
         cfg.model,
@@ -704,8 +707,8 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
     else:
         state = init_state(params, optimizer, mesh, tc.seed)
         step_fn = make_train_step(model, optimizer, mesh)
-    if copies:
-        state = with_copies(state, DTYPES[cfg.model.dtype])
+    if copies is not None:
+        state = with_copies(state, copies)
     source = source if source is not None else source_from_config(cfg)
     policy = capacity.for_source(cfg, source, "jax")
     backend = JaxBackend(
@@ -725,7 +728,7 @@ def run_training(cfg, devices: list[jax.Device], on_step=None, source=None) -> l
 
     def set_state(tree: dict) -> None:
         state = TrainState.from_dict(tree)
-        backend.state = with_copies(state, DTYPES[cfg.model.dtype]) if copies else state
+        backend.state = with_copies(state, copies) if copies is not None else state
 
     checkpointer = TrainCheckpointer(
         cfg.output_dir, tc.keep_checkpoints, lambda: backend.state.as_dict(), set_state
