@@ -7,7 +7,7 @@
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
 #                                               attnprof order mtiles silu embed
-#                                               overrides flags envs jnorm
+#                                               overrides flags envs jnorm mrows
 #                                               host model
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default;
@@ -363,6 +363,24 @@ print('torchrec', torchrec.__version__)" ;;
             $([ ${#mt[@]} -eq 0 ] || echo --tiles "${mt[@]}")
         done
       done ;;
+    mrows)
+      # the Mosaic kernels' outputs written at their rows ($HSTU_MOSAIC_OUT=rows,
+      # MosaicTiles.out) against their tiles gathered back (the default): the GPU test (both
+      # ways against the Triton lowering at head dim 256), the kernels in device time on the
+      # recipe's batches and 8 x 4096 ($AB_ROUNDS alternating rounds), then the step as `envs`
+      # runs it (jax, batch 32), with $MROWS_SETS ('|'-separated) as more sets
+      run mrows_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
+        -k "triton_lowering and 256"
+      if [ "$status" = ok ]; then
+        for round in $(seq ${AB_ROUNDS:-2}); do
+          for mode in tiles rows; do
+            run "mrows_attn_${mode}_$round" env HSTU_MOSAIC_OUT=$mode \
+              python scripts/attention_jagged.py --backend jax --lowering mosaic --dim 256 \
+              --equal 8x4096 --calls 10 --rounds 3
+          done
+        done
+        ab_envs mrows "|HSTU_MOSAIC_OUT=rows${MROWS_SETS:+|$MROWS_SETS}" jax
+      fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the
       # recipe's batch of short samples) and on one 4096-token sample (scripts/attention_jagged.py

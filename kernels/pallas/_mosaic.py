@@ -32,10 +32,16 @@ sample starting at row ``o`` is seen from row ``o - r`` (``r = o mod 8``), as ``
 then its own, and the masks count the dead rows out (never attended, their outputs dropped;
 dk / dv also drop dead and past-the-end query rows, which would otherwise add to the keys'
 gradients). A tile's tail may read the next sample's rows (masked out the same way) or rows
-past the array (TMA fills zeros). A CTA's output tile always has ``block`` rows, so it goes
-to a buffer with one such tile per CTA (no CTA writes another's rows) and a gather brings the
-rows back to the jagged layout. (Until 2026-11-29 the inputs were first gathered into copies
-with every sample 8-aligned: 0.40 ms a step at bench_upstream's batch 32 on an H200.)
+past the array (TMA fills zeros). A CTA's output tile always has ``block`` rows, so by
+default (``MosaicTiles.out="tiles"``) it goes to a buffer with one such tile per CTA (no CTA
+writes another's rows) and a gather brings the rows back to the jagged layout. With
+``out="rows"`` (``_store``) each CTA writes the 8-row chunks that are wholly its sample's
+straight into the jagged output; the at most two chunks a sample shares with a neighbour go
+to the sample's side slots, which one scatter of at most 16 rows a sample places after the
+kernel, in place; ``TAIL_CTAS`` more CTAs per head zero the rows past the batch (the
+capacity's padding), so the output needs no gather and no select. (Until 2026-11-29 the
+inputs were first gathered into copies with every sample 8-aligned: 0.40 ms a step at
+bench_upstream's batch 32 on an H200.)
 
 No relative biases, 16-bit inputs only, head dims multiples of 64 up to 256 (``supports``);
 the entry point uses the Triton lowering for the rest. Interpret mode
@@ -56,6 +62,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -92,12 +99,16 @@ class MosaicTiles:
     launch order of the CTAs over the heaviest-first schedule (``kernels/schedule.py``), which
     the GPU dispatches in turn: its first ``lead`` entries with their heads together, the rest
     head by head (0: all head by head); None: the kernel's measured default, the forward 0,
-    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order")."""
+    dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order").
+    ``out``: where the CTAs write their output tiles, ``"tiles"`` (one tile per CTA in a
+    buffer of its own, gathered into the jagged rows after the kernel) or ``"rows"`` (straight
+    into the jagged rows, ``_store``); None: ``$HSTU_MOSAIC_OUT``, else ``"tiles"``."""
 
     block_q: int = 64
     block_kv: int = 64
     stages: int = 2
     lead: int | None = None
+    out: str | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -110,6 +121,21 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.stages: expected an int >= 2, got {self.stages!r}")
         if self.lead is not None and (not isinstance(self.lead, int) or self.lead < 0):
             raise ValueError(f"MosaicTiles.lead: expected None or an int >= 0, got {self.lead!r}")
+        if self.out not in (None, *OUTS):
+            raise ValueError(f"MosaicTiles.out: expected None or one of {OUTS}, got {self.out!r}")
+
+
+OUTS = ("tiles", "rows")  # MosaicTiles.out
+
+
+def output_mode(tiles: MosaicTiles) -> str:
+    """``tiles.out``, or ``$HSTU_MOSAIC_OUT`` (an A/B without a config key), else "tiles"."""
+    if tiles.out is not None:
+        return tiles.out
+    mode = os.environ.get("HSTU_MOSAIC_OUT", "") or "tiles"
+    if mode not in OUTS:
+        raise ValueError(f"HSTU_MOSAIC_OUT: expected one of {OUTS}, got {mode!r}")
+    return mode
 
 
 _Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
@@ -203,29 +229,34 @@ def _key_steps(qs, bq: int, bk: int, n, c, hist):
     return jnp.where(qs < n, _cdiv(jnp.maximum(a_end, qe), bk), 0)
 
 
-def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interpreted):
+def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, rows_out, interpreted):
     """One CTA: ``2 x block_q`` query rows of one sample and head (``kind`` "fwd": the
-    attention output; "dq": the query gradient, ``refs`` then also hold dO)."""
+    attention output; "dq": the query gradient, ``refs`` then also hold dO). ``rows_out``:
+    the output written at its rows (``_store``; ``refs`` then hold its side buffer)."""
     bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+    refs, scoped = refs[:-1], refs[-1]
+    side_ref = refs[-1] if rows_out else None
+    refs = refs[:-1] if rows_out else refs
     if kind == "fwd":
-        q_ref, k_ref, v_ref, o_ref, scoped = refs
+        q_ref, k_ref, v_ref, o_ref = refs
         do_ref = None
         (q_smem2, k_smem, v_smem, t_smem2, o_smem2), barriers, frees, turn = scoped
         (k_full, v_full, q_full), do_full = barriers, None
     else:
-        q_ref, k_ref, v_ref, do_ref, o_ref, scoped = refs
+        q_ref, k_ref, v_ref, do_ref, o_ref = refs
         (q_smem2, k_smem, v_smem, t_smem2, o_smem2, do_smem2), barriers, frees, turn = scoped
         k_full, v_full, q_full, do_full = barriers
     k_free, v_free = frees
     dtype = q_ref.dtype
     d_out = o_ref.shape[-1]
-    j, h = _entry_and_head(lax.axis_index("cta"), *order)
+    j, h, zero_slot = _cta_work(lax.axis_index("cta"), order)
     wg = lax.axis_index("wg")
-    start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
+    start, n, c, hist, blk, dead, sample = (meta_ref[f, j] for f in range(7))
     start = start * 8  # TMA tiles start on multiples of 8 rows
     # The sample in the frame the tiles see: `dead` rows of the previous sample, then its own
     # (row i of the frame is the sample's i - dead); context only where the sample has some.
     n, hist = n + dead, hist + dead
+    n = jnp.where(zero_slot < 0, n, 0)  # a tail CTA: no block of its own
     c = jnp.where(c > 0, c + dead, 0)
     q0 = blk * (2 * bq)
     steps0 = _key_steps(q0, bq, bk, n, c, hist)
@@ -367,8 +398,15 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # TMA needs it contiguous
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * 2 * bq + wg * bq, bq), h])
-        plgpu.wait_smem_to_gmem(0)
+        if rows_out:
+            _store(o_smem, o_ref, side_ref, h, qs, start, dead, n, sample)
+            tail0 = meta_ref[0, order[0]] * 8
+            pl.when((zero_slot >= 0) & (wg == 0))(
+                lambda: _zero_tail(o_smem, o_ref, h, zero_slot, tail0)
+            )
+        else:
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(j * 2 * bq + wg * bq, bq), h])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
@@ -380,6 +418,85 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, interp
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_full.at[slot])
 
         _stream(fetch, cta_steps, stages, (k_free, v_free))
+
+
+# Rows mode (``MosaicTiles.out="rows"``): CTAs per head, launched after the schedule's, that
+# zero the output's rows past the batch (``_zero_tail``).
+TAIL_CTAS = 4
+
+
+def _cta_work(cta, order):
+    """(schedule entry, head, tail slot) of CTA ``cta`` of a launch of ``order = (num,
+    heads, lead[, tail CTAs per head])``: the schedule's CTAs first (``_entry_and_head``; tail
+    slot -1), then the tail CTAs (entry 0, which they do not work on; slot 0 ..)."""
+    num, heads, lead = order[:3]
+    real = num * heads
+    j, h = _entry_and_head(jnp.minimum(cta, real - 1), num, heads, lead)
+    if len(order) == 3:
+        return j, h, jnp.int32(-1)
+    extra = cta - real
+    is_tail = extra >= 0
+    return (
+        jnp.where(is_tail, 0, j),
+        jnp.where(is_tail, lax.rem(extra, jnp.int32(heads)), h),
+        jnp.where(is_tail, lax.div(extra, jnp.int32(heads)), -1),
+    )
+
+
+def _zero_tail(smem, out_ref, h, slot, tail0) -> None:
+    """Tail CTA ``slot`` of head ``h``: zeros into rows ``[tail0, T)`` of ``out_ref`` (``tail0``:
+    the batch's end rounded down to 8 rows; the batch's rows in that first chunk are placed
+    after the kernel), its share of the ``smem``-high blocks, the rest of ``T - tail0`` (whole
+    8-row chunks) by slot 0."""
+    rows, total = smem.shape[0], out_ref.shape[0]
+    smem[...] = jnp.zeros(smem.shape, smem.dtype)
+    plgpu.commit_smem()
+    blocks = lax.div(total - tail0, jnp.int32(rows))
+
+    @pl.loop(slot, blocks, step=TAIL_CTAS)
+    def _(i):
+        plgpu.copy_smem_to_gmem(smem, out_ref.at[pl.ds(tail0 + i * rows, rows), h])
+
+    rest = tail0 + blocks * rows
+    for i in range(rows // 8):
+        r = rest + 8 * i
+        chunk = functools.partial(
+            plgpu.copy_smem_to_gmem, smem.at[pl.ds(0, 8)], out_ref.at[pl.ds(r, 8), h]
+        )
+        pl.when((slot == 0) & (r < total))(chunk)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _store(smem, out_ref, side_ref, h, f0, start, dead, n, sample) -> None:
+    """Write a CTA's output tile at its rows (``MosaicTiles.out="rows"``): the tile holds
+    rows ``[f0, f0 + rows)`` of its sample's frame (frame row ``i`` is the array's row
+    ``start + i``; the sample's own rows are ``[dead, n)``). TMA writes whole 8-row chunks;
+    a chunk the sample shares with a neighbour (its first where ``dead > 0``, its last where
+    it ends mid-chunk) would be written by two CTAs at once, so those go to the sample's two
+    8-row slots of ``side_ref`` (first chunk, last chunk) for the wrapper to place
+    (``_placement``); the chunks wholly the sample's go to their rows of ``out_ref``, in one
+    copy where the tile has no other; chunks past the sample's end nowhere."""
+    rows = smem.shape[0]
+    whole = ((f0 > 0) | (dead == 0)) & (f0 + rows <= n)
+
+    @pl.when(whole)
+    def _():
+        plgpu.copy_smem_to_gmem(smem, out_ref.at[pl.ds(start + f0, rows), h])
+
+    @pl.when(jnp.logical_not(whole) & (f0 < n))
+    def _():
+        for i in range(rows // 8):
+            a = f0 + 8 * i
+            own = ((a > 0) | (dead == 0)) & (a + 8 <= n)
+            chunk = smem.at[pl.ds(8 * i, 8)]
+            dst = out_ref.at[pl.ds(start + a, 8), h]
+            # (as 8 x a row count: Mosaic GPU must see that a TMA row offset is a multiple of 8)
+            side = side_ref.at[pl.ds(8 * (2 * sample + jnp.where(a == 0, 0, 1)), 8), h]
+            pl.when(own)(functools.partial(plgpu.copy_smem_to_gmem, chunk, dst))
+            shared = jnp.logical_not(own) & (a < n)
+            pl.when(shared)(functools.partial(plgpu.copy_smem_to_gmem, chunk, side))
+
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) -> None:
@@ -433,20 +550,26 @@ def _query_tiles(k0, bk: int, bq: int, n, c, hist, dead):
     return tile, end_a + hi_b - lo_b, q_int + shift, q_end + shift
 
 
-def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
+def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, rows_out, interpreted):
     """One CTA: ``block_q`` key rows of one sample and head, both gradients. Warp group 0
     accumulates dv (``P^T dO``), warp group 1 dk (``dS^T q``, ``S^T`` recomputed: at head dim
     256 one warp group cannot hold both ``[64, D]`` fp32 accumulators); warp group 2 streams
-    the query / dO tiles that see the keys."""
-    q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, scoped = refs
+    the query / dO tiles that see the keys. ``rows_out``: dk and dv written at their rows
+    (``_store``; ``refs`` then hold their side buffers)."""
+    if rows_out:
+        q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, dk_side, dv_side, scoped = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, dk_ref, dv_ref, scoped = refs
+        dk_side = dv_side = None
     (k_smem, v_smem, q_smem, do_smem, t_smem2), (kv_full, q_full, do_full), free, done = scoped
     bk, bq, stages = tiles.block_q, tiles.block_kv, tiles.stages
     dtype = q_ref.dtype
-    j, h = _entry_and_head(lax.axis_index("cta"), *order)
+    j, h, zero_slot = _cta_work(lax.axis_index("cta"), order)
     wg = lax.axis_index("wg")
-    start, n, c, hist, blk, dead = (meta_ref[f, j] for f in range(6))
+    start, n, c, hist, blk, dead, sample = (meta_ref[f, j] for f in range(7))
     start = start * 8
     n, hist = n + dead, hist + dead
+    n = jnp.where(zero_slot < 0, n, 0)  # a tail CTA: no block of its own
     c = jnp.where(c > 0, c + dead, 0)
     k0 = blk * bk
     tile, steps, u0, u1 = _query_tiles(k0, bk, bq, n, c, hist, dead)
@@ -507,7 +630,7 @@ def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
             ds = jnp.where(keep(tile(s)), ds, 0.0)
         accumulate(ds.astype(dtype), q_smem.at[slot], acc_ref, slot)
 
-    def consume(step, d: int, out_smem, out_ref, scale: float):
+    def consume(step, d: int, out_smem, out_ref, side_ref, scale: float):
         def run(acc_ref):
             @pl.loop(0, u0)
             def _(s):
@@ -531,16 +654,22 @@ def _key_kernel(meta_ref, *refs, tiles, order, alpha, normalizer, interpreted):
         plgpu.barrier_wait(done)
         out_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(j * bk, bk), h])
-        plgpu.wait_smem_to_gmem(0)
+        if rows_out:
+            _store(out_smem, out_ref, side_ref, h, k0, start, dead, n, sample)
+            tail0 = meta_ref[0, order[0]] * 8
+            pl.when(zero_slot >= 0)(lambda: _zero_tail(out_smem, out_ref, h, zero_slot, tail0))
+        else:
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(j * bk, bk), h])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(kv_full.at[0])
         plgpu.barrier_wait(kv_full.at[1])
-        pl.when(wg == 0)(lambda: consume(dv_step, dv_ref.shape[-1], v_smem, dv_ref, 1.0))
-        pl.when(wg == 1)(lambda: consume(dk_step, dk_ref.shape[-1], k_smem, dk_ref, alpha))
+        d_qk, d_v = dk_ref.shape[-1], dv_ref.shape[-1]
+        pl.when(wg == 0)(lambda: consume(dv_step, d_v, v_smem, dv_ref, dv_side, 1.0))
+        pl.when(wg == 1)(lambda: consume(dk_step, d_qk, k_smem, dk_ref, dk_side, alpha))
 
     @pl.when(wg == 2)
     def _producer():
@@ -589,7 +718,12 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     c = jnp.zeros_like(n) if ctx is None else ctx[b]
     hist = n if cand is None else jnp.clip(n - cand[b], 0, n)
     r = jnp.where(valid != 0, dead[b], 0)
-    meta = jnp.stack([start, n, c, hist, blk, r]).astype(jnp.int32)  # [6, num]
+    sample = jnp.where(valid != 0, b, 0)
+    meta = jnp.stack([start, n, c, hist, blk, r, sample]).astype(jnp.int32)  # [7, num]
+    rows_out = output_mode(tiles) == "rows"
+    if rows_out:  # column num: the 8-row chunk holding the batch's end (in chunks)
+        tail0 = offs[-1] // 8
+        meta = jnp.concatenate([meta, jnp.pad(tail0[None], (0, 6))[:, None]], axis=1)
 
     # A wgmma contracting over the streamed tiles' rows (P v, dS k; P^T dO, dS^T q) needs K
     # to be a multiple of the swizzle's width (in elements), and both operands of a wgmma one
@@ -606,7 +740,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     # head by head: entry by entry measured 4-5 % slower for it (kernels/README.md, "Dispatch
     # order").
     lead = launch_lead(kind, tiles.lead, num)
-    order = (num, heads, lead)
+    order = (num, heads, lead) + ((TAIL_CTAS,) if rows_out else ())
     # P / dS (P^T / dS^T) for the interpreter, whose wgmma reads only shared memory
     t_buf = smem((2, bq, bk), q.dtype) if interpreted else None
     if key_major:
@@ -624,12 +758,14 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         ]
         rest = (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_arrivals=2))
         body = functools.partial(
-            _key_kernel, tiles=tiles, order=order, alpha=alpha, normalizer=normalizer
+            _key_kernel,
+            tiles=tiles,
+            order=order,
+            alpha=alpha,
+            normalizer=normalizer,
+            rows_out=rows_out,
         )
-        out_type = (
-            jax.ShapeDtypeStruct((num * block, heads, d_qk), q.dtype),
-            jax.ShapeDtypeStruct((num * block, heads, d_v), q.dtype),
-        )
+        widths = (d_qk, d_v)
     else:
         d_out = d_v if kind == "fwd" else d_qk
         buffers = [
@@ -650,9 +786,21 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         rest = ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,)
         rest += (plgpu.Barrier(num_arrivals=2),)
         body = functools.partial(
-            _query_kernel, kind=kind, tiles=tiles, order=order, alpha=alpha, normalizer=normalizer
+            _query_kernel,
+            kind=kind,
+            tiles=tiles,
+            order=order,
+            alpha=alpha,
+            normalizer=normalizer,
+            rows_out=rows_out,
         )
-        out_type = jax.ShapeDtypeStruct((num * block, heads, d_out), q.dtype)
+        widths = (d_out,)
+    t_pad = ins[0].shape[0]
+    if rows_out:  # the jagged rows, then each output's side slots (16 rows a sample)
+        shapes = [(t_pad, heads, d) for d in widths] + [(16 * bsz, heads, d) for d in widths]
+    else:  # one tile per CTA
+        shapes = [(num * block, heads, d) for d in widths]
+    out_type = tuple(jax.ShapeDtypeStruct(shape, q.dtype) for shape in shapes)
 
     def entry(meta_ref, *refs):
         pl.run_scoped(
@@ -666,7 +814,7 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(num * heads,),
+        grid=(num * heads + (TAIL_CTAS * heads if rows_out else 0),),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
@@ -675,6 +823,15 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         ),
         interpret=InterpretGPUParams() if interpret else None,
     )(meta, *ins)
+    if rows_out:
+        # the chunks two samples share, placed after the kernel: a scatter of at most 16
+        # rows a sample into the kernel's own output, in place
+        dst = _side_rows(offs, dead, t_pad)
+        outs = tuple(
+            o.at[dst].set(side, mode="drop")[:t_cap]
+            for o, side in zip(outs[: len(widths)], outs[len(widths) :], strict=True)
+        )
+        return outs if key_major else outs[0]
 
     # Each token's row in the CTA tiles: its (block, sample) pair's entry, then its offset.
     levels = -(-frame_seqlen // block)
@@ -692,7 +849,27 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         out = jnp.take(tiles_out, rows, axis=0)
         return jnp.where(live, out, jnp.zeros((), out.dtype))
 
-    return tuple(back(o) for o in outs) if key_major else back(outs)
+    outs = tuple(back(o) for o in outs)
+    return outs if key_major else outs[0]
+
+
+def _side_rows(offs, dead, t_pad: int):
+    """``[16 B]`` int32: the row of the jagged output each side slot's row goes to (``_store``:
+    sample ``b``'s first chunk at slots ``16 b .. 16 b + 7``, its last at ``16 b + 8 ..``),
+    ``t_pad`` (past the array: dropped) for slots that hold no row of their sample. A chunk is
+    in a slot when the sample shares it: the first where the sample starts past the chunk's
+    first row or ends before its last, the last (when not the first) where it ends mid-chunk."""
+    lo, hi = offs[:-1], offs[1:]
+    first = lo - dead  # the frame's row 0, a multiple of 8
+    n = hi - first  # the frame's rows
+    a_last = jnp.maximum(n - 1, 0) // 8 * 8  # the last chunk's first row, in the frame
+    used = (
+        jnp.stack([(dead > 0) | (n < 8), (a_last > 0) & (a_last + 8 > n)], axis=1)
+        & (hi > lo)[:, None]
+    )
+    r = jnp.stack([first, first + a_last], axis=1)[:, :, None] + jnp.arange(8, dtype=jnp.int32)
+    mine = used[:, :, None] & (r >= lo[:, None, None]) & (r < hi[:, None, None])
+    return jnp.where(mine, r, t_pad).reshape(-1)
 
 
 def forward(q, k, v, offs, ctx, cand, **kw):

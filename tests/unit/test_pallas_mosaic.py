@@ -19,6 +19,7 @@ callbacks: it needs at least 4 host devices' threads (``make test-mosaic`` sets 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -164,6 +165,96 @@ def test_the_kernels_read_the_callers_rows_in_place(kind):
     assert "stablehlo.pad" not in text
 
 
+@needs_mosaic
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
+def test_outputs_at_their_rows_need_no_gather(kind, monkeypatch):
+    """`out="rows"` (here through `$HSTU_MOSAIC_OUT`): no gather of `[T, H, D]` rows at all;
+    what follows the kernel is one scatter of the side slots per output, in place, and no
+    select (the kernel zeroes the rows past the batch itself)."""
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "rows")
+    q, k, v, offs, kw = _inputs(
+        64, 64, heads=4, pad=11 + (-(int(sum(x[0] for x in LENGTHS)) + 11) % 8)
+    )
+    text = _lowered_for_cuda(kind, q, k, v, offs, kw)
+    rows = re.compile(r"-> tensor<\d+x4x64xbf16>")
+    assert not [ln for ln in text.splitlines() if "gather" in ln and rows.search(ln)]
+    lines = text.splitlines()
+    # a scatter's types follow its update region, a few lines on
+    scatters = [
+        i
+        for i, ln in enumerate(lines)
+        if "stablehlo.scatter" in ln and rows.search("\n".join(lines[i : i + 6]))
+    ]
+    assert len(scatters) == (2 if kind == "dkdv" else 1), scatters
+    assert not [ln for ln in text.splitlines() if "stablehlo.select" in ln and rows.search(ln)]
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "bogus")
+    with pytest.raises(ValueError, match="HSTU_MOSAIC_OUT"):
+        _lowered_for_cuda(kind, q, k, v, offs, kw)
+
+
+def _kernel_outputs(kind: str, q, k, v, do, offs, kw, tiles) -> tuple:
+    """One kernel's outputs (interpreted), as a tuple."""
+    kw = dict(kw)
+    ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
+    if kind == "fwd":
+        return (_mosaic.forward(q, k, v, offs, ctx, cand, **kw, tiles=tiles, interpret=True),)
+    fn = _mosaic.backward_dq if kind == "dq" else _mosaic.backward_dkdv
+    out = fn(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=True)
+    return out if kind == "dkdv" else (out,)
+
+
+@needs_mosaic
+@needs_threads
+@pytest.mark.parametrize(
+    ("dqk", "dv", "block_kv", "pad"),
+    [(64, 64, None, 11), (64, 128, 32, 600), (256, 128, None, 11)],
+)
+def test_outputs_written_at_their_rows_equal_the_gathered_tiles(dqk, dv, block_kv, pad):
+    """`MosaicTiles(out="rows")`: each CTA writes its tile's 8-row chunks at their rows, the
+    chunks two samples share go through the side slots, and the tail CTAs zero the rows past
+    the batch (600 of them: more blocks than tail CTAs); the same bits as the tiles gathered
+    back (`out="tiles"`), in every kernel. The interpreter fills memory nobody wrote with NaN,
+    so a row that no CTA and no side slot placed would show."""
+    q, k, v, offs, kw = _inputs(dqk, dv, pad=pad, seed=dqk + 1)
+    do = jnp.asarray(np.random.default_rng(3).standard_normal(v.shape), jnp.bfloat16)
+    real = int(offs[-1])
+    for kind in _mosaic.KINDS:
+        base = _mosaic.default_tiles(kind, dqk, dv)
+        if block_kv is not None:
+            base = MosaicTiles(block_kv=block_kv, stages=3)
+        outs = {
+            mode: _kernel_outputs(kind, q, k, v, do, offs, kw, replace(base, out=mode))
+            for mode in _mosaic.OUTS
+        }
+        for got, want in zip(outs["rows"], outs["tiles"], strict=True):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert got.shape == want.shape == (q.shape[0], q.shape[1], got.shape[2]), kind
+            assert not np.isnan(got).any(), kind
+            assert np.array_equal(got, want), kind
+            assert not np.any(got[real:]), kind
+
+
+def test_side_rows_place_each_shared_chunk_row_of_its_own_sample():
+    """`_side_rows`: slot rows go to the rows of their own sample only, every row of a chunk
+    that a sample shares (its first where it starts or ends inside it, its last where it ends
+    mid-chunk) has a slot, and the chunks wholly a sample's have none."""
+    lens = np.array([37, 0, 1, 73, 64, 130, 9, 8, 16, 3], np.int32)
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    dead = offs[:-1] % 8
+    t_pad = 400
+    dst = np.asarray(_mosaic._side_rows(jnp.asarray(offs), jnp.asarray(dead), t_pad))
+    placed = dst[dst < t_pad]
+    assert len(set(placed.tolist())) == len(placed)  # no row placed twice
+    want = set()
+    for b, (lo, hi) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
+        slots = dst[16 * b : 16 * b + 16]
+        assert all(lo <= r < hi for r in slots if r < t_pad), b
+        for a in range(lo - lo % 8, hi, 8):  # the chunks holding the sample's rows
+            if a < lo or a + 8 > hi:
+                want |= set(range(max(a, lo), min(a + 8, hi)))
+    assert set(placed.tolist()) == want
+
+
 def test_bad_lowering_choices_are_named():
     q, k, v, offs, kw = _inputs(64, 64)
     with pytest.raises(ValueError, match="lowering: expected one of"):
@@ -178,6 +269,8 @@ def test_bad_lowering_choices_are_named():
         MosaicTiles(block_kv=48)
     with pytest.raises(ValueError, match="MosaicTiles.lead"):
         MosaicTiles(lead=-1)
+    with pytest.raises(ValueError, match="MosaicTiles.out"):
+        MosaicTiles(out="scatter")
 
 
 @pytest.mark.parametrize("lead", [0, 1, 5, 7, 30])
@@ -264,7 +357,8 @@ def test_compiled_kernels_match_the_reference(dim):
 @needs_mosaic
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("whole", [True, False], ids=["T-whole-tiles", "T-padded"])
-def test_compiled_kernels_match_the_triton_lowering(dim, whole):
+@pytest.mark.parametrize("out", _mosaic.OUTS)
+def test_compiled_kernels_match_the_triton_lowering(dim, whole, out, monkeypatch):
     """The training case, compiled: 32 samples of bench_upstream-like lengths, most starting off
     a multiple of 8 rows, read in place (with T whole 8-row tiles nothing is copied), against the
     Triton lowering's kernels (themselves held to the reference), sample by sample. Fast where
@@ -272,6 +366,7 @@ def test_compiled_kernels_match_the_triton_lowering(dim, whole):
     tiles = tuple(_mosaic.default_tiles(kind, dim, dim) for kind in _mosaic.KINDS)
     if mosaic_problem(jnp.bfloat16, dim, dim, False, tiles, False):
         pytest.skip("needs a Hopper GPU")
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", out)
     rng = np.random.default_rng(dim + whole)
     lens = np.minimum(16 + 2 * rng.zipf(1.2, 32), 4100)
     lens[3], lens[7] = 0, 1  # an empty and a one-token sample
