@@ -142,7 +142,9 @@ def test_forward_and_gradients_match_the_reference(dqk, dv, tiles):
 @needs_mosaic
 @pytest.mark.parametrize(("dqk", "dv"), [(64, 64), (128, 128), (256, 256), (128, 256), (256, 128)])
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
-def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv):
+@pytest.mark.parametrize("out", _mosaic.OUTS)
+def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv, out, monkeypatch):
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", out)
     assert "mosaic_gpu" in _lowered_for_cuda(kind, *_inputs(dqk, dv, heads=4))
 
 
