@@ -464,7 +464,9 @@ def _zero_tail(smem, out_ref, h, slot, tail0) -> None:
             plgpu.copy_smem_to_gmem, smem.at[pl.ds(0, 8)], out_ref.at[pl.ds(r, 8), h]
         )
         pl.when((slot == 0) & (r < total))(chunk)
-    plgpu.wait_smem_to_gmem(0)
+    # the CTA's last wait: for shared memory to be read, not for the writes to land (the
+    # kernel's end publishes them, as jax's Hopper matmul ends)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _store(smem, out_ref, side_ref, h, f0, start, dead, n, sample) -> None:
@@ -496,7 +498,7 @@ def _store(smem, out_ref, side_ref, h, f0, start, dead, n, sample) -> None:
             shared = jnp.logical_not(own) & (a < n)
             pl.when(shared)(functools.partial(plgpu.copy_smem_to_gmem, chunk, side))
 
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # as `_zero_tail`'s
 
 
 def _mma_from_registers(acc_ref, t16, b_smem, t_smem2, wg, interpreted: bool) -> None:
