@@ -365,21 +365,24 @@ print('torchrec', torchrec.__version__)" ;;
       done ;;
     mrows)
       # the Mosaic kernels' outputs written at their rows ($HSTU_MOSAIC_OUT=rows,
-      # MosaicTiles.out) against their tiles gathered back (the default): the GPU test (both
-      # ways against the Triton lowering at head dim 256), the kernels in device time on the
-      # recipe's batches and 8 x 4096 ($AB_ROUNDS alternating rounds), then the step as `envs`
-      # runs it (jax, batch 32), with $MROWS_SETS ('|'-separated) as more sets
+      # MosaicTiles.out) against their tiles gathered back (the default), and with the CTAs'
+      # work table from one Pallas kernel ($HSTU_MOSAIC_META=kernel) instead of XLA's: the GPU
+      # test (each way against the Triton lowering at head dim $MROWS_DIM, default 256), the
+      # kernels in device time on the recipe's batches, 8 x 4096 and 16 / 64 x 256
+      # ($AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32), with
+      # $MROWS_SETS ('|'-separated) as more sets
       run mrows_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
-        -k "triton_lowering and 256"
+        -k "triton_lowering and ${MROWS_DIM:-256}"
       if [ "$status" = ok ]; then
         for round in $(seq ${AB_ROUNDS:-2}); do
-          for mode in tiles rows; do
-            run "mrows_attn_${mode}_$round" env HSTU_MOSAIC_OUT=$mode \
-              python scripts/attention_jagged.py --backend jax --lowering mosaic --dim 256 \
-              --equal 8x4096 --calls 10 --rounds 3
+          for mode in tiles:xla rows:xla rows:kernel; do
+            run "mrows_attn_${mode/:/_}_$round" env HSTU_MOSAIC_OUT=${mode%:*} \
+              HSTU_MOSAIC_META=${mode#*:} python scripts/attention_jagged.py --backend jax \
+              --lowering mosaic --dim ${MROWS_DIM:-256} --equal 8x4096 16x256 64x256 \
+              --calls 10 --rounds 3
           done
         done
-        ab_envs mrows "|HSTU_MOSAIC_OUT=rows${MROWS_SETS:+|$MROWS_SETS}" jax
+        ab_envs mrows "|HSTU_MOSAIC_OUT=rows|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
       fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the

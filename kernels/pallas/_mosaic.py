@@ -39,7 +39,9 @@ writes another's rows) and a gather brings the rows back to the jagged layout. W
 straight into the jagged output; the at most two chunks a sample shares with a neighbour go
 to the sample's side slots, which one scatter of at most 16 rows a sample places after the
 kernel, in place; ``TAIL_CTAS`` more CTAs per head zero the rows past the batch (the
-capacity's padding), so the output needs no gather and no select. (Until 2026-11-29 the
+capacity's padding), so the output needs no gather and no select. The table of the CTAs'
+work comes from jnp (XLA) or, with ``HSTU_MOSAIC_META=kernel``, one Pallas kernel
+(``_meta_table``). (Until 2026-11-29 the
 inputs were first gathered into copies with every sample 8-aligned: 0.40 ms a step at
 bench_upstream's batch 32 on an H200.)
 
@@ -71,7 +73,9 @@ from jax.experimental import pallas as pl
 
 from ..schedule import pairs, schedule
 from ..tiles import launch_lead
-from ._common import _query_ranges, sample_of
+from ._common import _compiler_params, _next_pow2, _query_ranges, sample_of
+from ._common import _load as _pl_load
+from ._common import _store as _pl_store
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -703,11 +707,17 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     offs = offs.astype(jnp.int32)
     lens = offs[1:] - offs[:-1]
     dead = offs[:-1] % 8
-    seen = jnp.where(lens > 0, lens + dead, 0)  # an empty sample: no block
-    frame = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seen)])
     frame_seqlen = max_seqlen + 7
     num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
-    blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=key_major)
+    rows_out = output_mode(tiles) == "rows"
+    if meta_mode() == "kernel":
+        meta = _meta_table(offs, ctx, cand, block, frame_seqlen, num, key_major, bool(interpret))
+        blk, b, valid = meta[4, :num], meta[6, :num], (meta[1, :num] > 0).astype(jnp.int32)
+    else:
+        seen = jnp.where(lens > 0, lens + dead, 0)  # an empty sample: no block
+        frame = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seen)])
+        blk, b, valid = schedule(jnp, frame, frame_seqlen, num, block, key_major=key_major)
+        meta = _meta_from_schedule(offs, ctx, cand, blk, b, valid)
     ins = [q, k, v] if kind == "fwd" else [q, k, v, do]
     if t_cap % 8:
         # Mosaic GPU describes the whole array to TMA in the shared tiles' (8, 64) tiling and
@@ -715,17 +725,6 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         # multiple of its tiling"), so such a call pays a copy of each input; a training
         # step's capacities are multiples of 256 rows (`hstu.capacity.ALIGN`) and pay none.
         ins = [jnp.pad(x, ((0, -t_cap % 8), (0, 0), (0, 0))) for x in ins]
-    start = (offs[b] - dead[b]) // 8  # in rows of 8: the kernel multiplies back
-    n = jnp.where(valid != 0, lens[b], 0)
-    c = jnp.zeros_like(n) if ctx is None else ctx[b]
-    hist = n if cand is None else jnp.clip(n - cand[b], 0, n)
-    r = jnp.where(valid != 0, dead[b], 0)
-    sample = jnp.where(valid != 0, b, 0)
-    meta = jnp.stack([start, n, c, hist, blk, r, sample]).astype(jnp.int32)  # [7, num]
-    rows_out = output_mode(tiles) == "rows"
-    if rows_out:  # column num: the 8-row chunk holding the batch's end (in chunks)
-        tail0 = offs[-1] // 8
-        meta = jnp.concatenate([meta, jnp.pad(tail0[None], (0, 6))[:, None]], axis=1)
 
     # A wgmma contracting over the streamed tiles' rows (P v, dS k; P^T dO, dS^T q) needs K
     # to be a multiple of the swizzle's width (in elements), and both operands of a wgmma one
@@ -853,6 +852,119 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
 
     outs = tuple(back(o) for o in outs)
     return outs if key_major else outs[0]
+
+
+def meta_mode() -> str:
+    """``$HSTU_MOSAIC_META``: where a call's table of CTA work (``_call``'s ``meta``) is
+    computed, ``"xla"`` (default: jnp, some ten small XLA kernels a call where a training step
+    does not share them) or ``"kernel"`` (one Pallas kernel, ``_meta_table``)."""
+    mode = os.environ.get("HSTU_MOSAIC_META", "") or "xla"
+    if mode not in ("xla", "kernel"):
+        raise ValueError(f"HSTU_MOSAIC_META: expected xla or kernel, got {mode!r}")
+    return mode
+
+
+def _meta_from_schedule(offs, ctx, cand, blk, b, valid):
+    """The kernels' ``[7, num + 1]`` int32 table from the schedule's ``(blk, b, valid)``: per
+    entry the sample's first row in chunks of 8 (its frame's), its length (0: no work), its
+    contextual tokens, its history end, the block, the dead rows before it in its frame's
+    first chunk and the sample; column ``num``: the chunk holding the batch's end (row 0)."""
+    lens = offs[1:] - offs[:-1]
+    dead = offs[:-1] % 8
+    start = (offs[b] - dead[b]) // 8  # in rows of 8: the kernel multiplies back
+    n = jnp.where(valid != 0, lens[b], 0)
+    c = jnp.zeros_like(n) if ctx is None else ctx[b]
+    hist = n if cand is None else jnp.clip(n - cand[b], 0, n)
+    r = jnp.where(valid != 0, dead[b], 0)
+    sample = jnp.where(valid != 0, b, 0)
+    meta = jnp.stack([start, n, c, hist, blk, r, sample]).astype(jnp.int32)  # [7, num]
+    tail0 = offs[-1] // 8
+    col = jnp.concatenate([tail0[None], jnp.zeros((6,), jnp.int32)])
+    return jnp.concatenate([meta, col[:, None]], axis=1)
+
+
+_META_ENTRIES = 128  # entries per program of `_meta_kernel`
+
+
+def _meta_kernel(*refs, bsz, block, levels, num, key_major, has_ctx, has_cand):
+    """``_meta_from_schedule`` of ``kernels/schedule.py``'s schedule over the samples' frames
+    (each sample seen from the multiple of 8 at or before its start), for
+    ``_META_ENTRIES`` entries: the same sums, without the ``[G, B]`` intermediates leaving
+    registers."""
+    offs_ref, *rest = refs
+    ctx_ref = rest.pop(0) if has_ctx else None
+    cand_ref = rest.pop(0) if has_cand else None
+    (meta_ref,) = rest
+    nb_b, nb_l = max(16, _next_pow2(bsz)), max(16, _next_pow2(levels))
+    i32 = jnp.int32
+    bi = jnp.arange(nb_b, dtype=i32)
+    inb = bi < bsz
+
+    def load(ref, shift=0):  # ref[b + shift] of each sample b (0 past the batch)
+        return _pl_load(ref.at[jnp.minimum(bi + shift, bsz)], mask=inb, other=0)
+
+    lo, hi = load(offs_ref), load(offs_ref, 1)
+    lens = hi - lo
+    dead = lo % 8
+    nblk = (jnp.where(lens > 0, lens + dead, 0) + (block - 1)) // block  # [B]: the frame's
+    lv = jnp.arange(nb_l, dtype=i32)
+    above = jnp.sum(jnp.maximum(nblk[None, :] - 1 - lv[:, None], 0), axis=1)  # [L]
+    j = pl.program_id(0) * _META_ENTRIES + jnp.arange(_META_ENTRIES, dtype=i32)
+    level = jnp.sum((above[None, :] > j[:, None]).astype(i32), axis=1)
+    r = j - jnp.sum(jnp.where(lv[None, :] == level[:, None], above[None, :], 0), axis=1)
+    has = (nblk[None, :] > level[:, None]).astype(i32)  # [G, B]
+    valid = (r < jnp.sum(has, axis=1)) & (j < num)
+    rank = jnp.cumsum(has, axis=1)  # the r-th pair's sample is the first of rank r + 1
+    b = jnp.where(valid, jnp.sum((rank <= r[:, None]).astype(i32), axis=1), 0)
+    one = bi[None, :] == b[:, None]
+
+    def pick(x):  # x[b] of each entry
+        return jnp.sum(jnp.where(one, x[None, :], 0), axis=1)
+
+    blk = pick(nblk) - 1 - level if key_major else level
+    n = jnp.where(valid, pick(lens), 0)
+    r_dead = jnp.where(valid, pick(dead), 0)
+    c = jnp.zeros_like(n)
+    if ctx_ref is not None:
+        c = pick(load(ctx_ref))
+    hist = n
+    if cand_ref is not None:
+        cand = pick(load(cand_ref))
+        hist = jnp.clip(n - cand, 0, n)
+    start = (pick(lo) - r_dead) // 8
+    # column num: the chunk holding the batch's end
+    end = jnp.sum(jnp.where(bi == bsz - 1, hi, 0)) // 8
+    start = jnp.where(j == num, end, start)
+    cols = (start, n, jnp.where(j < num, c, 0), hist, jnp.where(valid, blk, 0), r_dead, b)
+    keep = j <= num
+    for f, col in enumerate(cols):
+        at = (pl.ds(f, 1), pl.ds(pl.program_id(0) * _META_ENTRIES, _META_ENTRIES))
+        _pl_store(meta_ref.at[at], col[None, :], mask=keep[None, :])
+
+
+def _meta_table(offs, ctx, cand, block, frame_seqlen, num, key_major, interpret: bool):
+    """``_meta_from_schedule``'s table by one Pallas kernel (Triton lowering)."""
+    bsz = offs.shape[0] - 1
+    levels = -(-frame_seqlen // block)
+    ins = [offs] + [x.astype(jnp.int32) for x in (ctx, cand) if x is not None]
+    kwargs = {} if interpret else {"compiler_params": _compiler_params(4, 1)}
+    return pl.pallas_call(
+        functools.partial(
+            _meta_kernel,
+            bsz=bsz,
+            block=block,
+            levels=levels,
+            num=num,
+            key_major=key_major,
+            has_ctx=ctx is not None,
+            has_cand=cand is not None,
+        ),
+        out_shape=jax.ShapeDtypeStruct((7, num + 1), jnp.int32),
+        grid=(pl.cdiv(num + 1, _META_ENTRIES),),
+        interpret=interpret,
+        name="mosaic_meta",
+        **kwargs,
+    )(*ins)
 
 
 def _side_rows(offs, dead, t_pad: int):

@@ -208,15 +208,18 @@ def _kernel_outputs(kind: str, q, k, v, do, offs, kw, tiles) -> tuple:
 @needs_mosaic
 @needs_threads
 @pytest.mark.parametrize(
-    ("dqk", "dv", "block_kv", "pad"),
-    [(64, 64, None, 11), (64, 128, 32, 600), (256, 128, None, 11)],
+    ("dqk", "dv", "block_kv", "pad", "meta"),
+    [(64, 64, None, 11, "kernel"), (64, 128, 32, 600, "xla"), (256, 128, None, 11, "kernel")],
 )
-def test_outputs_written_at_their_rows_equal_the_gathered_tiles(dqk, dv, block_kv, pad):
+def test_outputs_written_at_their_rows_equal_the_gathered_tiles(
+    dqk, dv, block_kv, pad, meta, monkeypatch
+):
     """`MosaicTiles(out="rows")`: each CTA writes its tile's 8-row chunks at their rows, the
     chunks two samples share go through the side slots, and the tail CTAs zero the rows past
     the batch (600 of them: more blocks than tail CTAs); the same bits as the tiles gathered
     back (`out="tiles"`), in every kernel. The interpreter fills memory nobody wrote with NaN,
-    so a row that no CTA and no side slot placed would show."""
+    so a row that no CTA and no side slot placed would show. The rows mode's work table from
+    `meta` (`HSTU_MOSAIC_META`), the tiles mode's from XLA."""
     q, k, v, offs, kw = _inputs(dqk, dv, pad=pad, seed=dqk + 1)
     do = jnp.asarray(np.random.default_rng(3).standard_normal(v.shape), jnp.bfloat16)
     real = int(offs[-1])
@@ -224,10 +227,10 @@ def test_outputs_written_at_their_rows_equal_the_gathered_tiles(dqk, dv, block_k
         base = _mosaic.default_tiles(kind, dqk, dv)
         if block_kv is not None:
             base = MosaicTiles(block_kv=block_kv, stages=3)
-        outs = {
-            mode: _kernel_outputs(kind, q, k, v, do, offs, kw, replace(base, out=mode))
-            for mode in _mosaic.OUTS
-        }
+        outs = {}
+        for mode in _mosaic.OUTS:
+            monkeypatch.setenv("HSTU_MOSAIC_META", meta if mode == "rows" else "xla")
+            outs[mode] = _kernel_outputs(kind, q, k, v, do, offs, kw, replace(base, out=mode))
         for got, want in zip(outs["rows"], outs["tiles"], strict=True):
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             assert got.shape == want.shape == (q.shape[0], q.shape[1], got.shape[2]), kind
@@ -255,6 +258,60 @@ def test_side_rows_place_each_shared_chunk_row_of_its_own_sample():
             if a < lo or a + 8 > hi:
                 want |= set(range(max(a, lo), min(a + 8, hi)))
     assert set(placed.tolist()) == want
+
+
+def _meta_tables(offs, ctx, cand, block: int, max_seqlen: int, t_cap: int, key_major: bool):
+    """(the jnp schedule's work table, the meta kernel's (interpreted)) of one call."""
+    from hstu_kernels.schedule import pairs, schedule
+
+    bsz = offs.shape[0] - 1
+    frame_seqlen = max_seqlen + 7
+    num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
+    lens = offs[1:] - offs[:-1]
+    seen = jnp.where(lens > 0, lens + offs[:-1] % 8, 0)
+    frame = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seen)])
+    sched = schedule(jnp, frame, frame_seqlen, num, block, key_major=key_major)
+    want = _mosaic._meta_from_schedule(offs, ctx, cand, *sched)
+    args = (offs, ctx, cand, block, frame_seqlen, num, key_major)
+    return np.asarray(want), np.asarray(_mosaic._meta_table(*args, True)), args
+
+
+@pytest.mark.parametrize(("block", "key_major"), [(128, False), (64, True)])
+def test_meta_kernel_builds_the_schedules_table(block, key_major):
+    """`HSTU_MOSAIC_META=kernel`: one Pallas kernel builds the table of the CTAs' work that the
+    jnp schedule builds in some ten small XLA kernels, entry for entry: on the tests' jagged
+    batch (empty and one-token samples, one program of entries, with and without contextual
+    and candidate counts) and a bench_upstream-like batch (32 Zipf samples up to 4,100 tokens,
+    several programs)."""
+    q, _, _, offs, kw = _inputs(64, 64)
+    ctx, cand = kw["num_contextual"], kw["num_candidates"]
+    for c, k in ((ctx, cand), (None, None), (ctx, None)):
+        want, got, _ = _meta_tables(offs, c, k, block, kw["max_seqlen"], q.shape[0], key_major)
+        assert want.shape == got.shape and np.array_equal(got, want)
+    rng = np.random.default_rng(block)
+    lens = np.minimum(16 + 2 * rng.zipf(1.2, 32), 4100)
+    lens[3] = 0
+    offs = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    cand = jnp.asarray(rng.integers(8, 65, 32), jnp.int32)
+    t_cap = -(-int(lens.sum()) // 256) * 256
+    want, got, args = _meta_tables(
+        offs, jnp.full((32,), 4, jnp.int32), cand, block, 4160, t_cap, key_major
+    )
+    assert want.shape[1] > _mosaic._META_ENTRIES and np.array_equal(got, want)
+    # compiled: Triton's lowering takes the kernel (jax 0.11 lowers Pallas-Triton calls only
+    # with a GPU present)
+    try:
+        text = (
+            jax.jit(lambda o, c, k: _mosaic._meta_table(o, c, k, *args[3:], False))
+            .trace(*args[:3])
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    except RuntimeError as exc:
+        if "No supported GPU devices" not in str(exc):
+            raise
+    else:
+        assert "mosaic_meta" in text
 
 
 def test_bad_lowering_choices_are_named():
@@ -359,8 +416,10 @@ def test_compiled_kernels_match_the_reference(dim):
 @needs_mosaic
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("whole", [True, False], ids=["T-whole-tiles", "T-padded"])
-@pytest.mark.parametrize("out", _mosaic.OUTS)
-def test_compiled_kernels_match_the_triton_lowering(dim, whole, out, monkeypatch):
+@pytest.mark.parametrize(
+    ("out", "meta"), [("tiles", "xla"), ("rows", "xla"), ("rows", "kernel")], ids="-".join
+)
+def test_compiled_kernels_match_the_triton_lowering(dim, whole, out, meta, monkeypatch):
     """The training case, compiled: 32 samples of bench_upstream-like lengths, most starting off
     a multiple of 8 rows, read in place (with T whole 8-row tiles nothing is copied), against the
     Triton lowering's kernels (themselves held to the reference), sample by sample. Fast where
@@ -369,6 +428,7 @@ def test_compiled_kernels_match_the_triton_lowering(dim, whole, out, monkeypatch
     if mosaic_problem(jnp.bfloat16, dim, dim, False, tiles, False):
         pytest.skip("needs a Hopper GPU")
     monkeypatch.setenv("HSTU_MOSAIC_OUT", out)
+    monkeypatch.setenv("HSTU_MOSAIC_META", meta)
     rng = np.random.default_rng(dim + whole)
     lens = np.minimum(16 + 2 * rng.zipf(1.2, 32), 4100)
     lens[3], lens[7] = 0, 1  # an empty and a one-token sample
