@@ -367,12 +367,13 @@ print('torchrec', torchrec.__version__)" ;;
       # the Mosaic kernels' outputs written at their rows ($HSTU_MOSAIC_OUT=rows,
       # MosaicTiles.out) against their tiles gathered back (the default), and with the CTAs'
       # work table from one Pallas kernel ($HSTU_MOSAIC_META=kernel) instead of XLA's: the GPU
-      # test (each way against the Triton lowering at head dim $MROWS_DIM, default 256), the
+      # test (each way against the Triton lowering at head dim $MROWS_DIM, default 256, T whole
+      # tiles as in training; $MROWS_TEST_K picks other cases), the
       # kernels in device time on the recipe's batches, 8 x 4096 and 16 / 64 x 256
       # ($AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32), with
       # $MROWS_SETS ('|'-separated) as more sets
       run mrows_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
-        -k "triton_lowering and ${MROWS_DIM:-256}"
+        -k "${MROWS_TEST_K:-triton_lowering and ${MROWS_DIM:-256} and T-whole}"
       if [ "$status" = ok ]; then
         for round in $(seq ${AB_ROUNDS:-2}); do
           for mode in tiles:xla rows:xla rows:kernel; do
@@ -382,7 +383,7 @@ print('torchrec', torchrec.__version__)" ;;
               --calls 10 --rounds 3
           done
         done
-        ab_envs mrows "|HSTU_MOSAIC_OUT=rows|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
+        ab_envs mrows "|HSTU_MOSAIC_OUT=rows|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel|HSTU_MOSAIC_OUT=fwd=rows,dq=select,dkdv=select HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
       fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the

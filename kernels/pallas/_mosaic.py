@@ -105,8 +105,12 @@ class MosaicTiles:
     head by head (0: all head by head); None: the kernel's measured default, the forward 0,
     dq and dk / dv every entry with its heads (kernels/README.md, "Dispatch order").
     ``out``: where the CTAs write their output tiles, ``"tiles"`` (one tile per CTA in a
-    buffer of its own, gathered into the jagged rows after the kernel) or ``"rows"`` (straight
-    into the jagged rows, ``_store``); None: ``$HSTU_MOSAIC_OUT``, else ``"tiles"``."""
+    buffer of its own, gathered into the jagged rows after the kernel), ``"rows"`` (straight
+    into the jagged rows, ``_store``; the rows two samples share scattered in after the
+    kernel) or ``"select"`` (as ``"rows"``, but the shared rows selected from the side slots
+    where the output is read: no kernel of their own where XLA fuses the select into the
+    consumer, a pass of the whole output where the consumer is another kernel); None:
+    ``$HSTU_MOSAIC_OUT``, else ``"tiles"``."""
 
     block_q: int = 64
     block_kv: int = 64
@@ -129,17 +133,28 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.out: expected None or one of {OUTS}, got {self.out!r}")
 
 
-OUTS = ("tiles", "rows")  # MosaicTiles.out
+OUTS = ("tiles", "rows", "select")  # MosaicTiles.out
 
 
-def output_mode(tiles: MosaicTiles) -> str:
-    """``tiles.out``, or ``$HSTU_MOSAIC_OUT`` (an A/B without a config key), else "tiles"."""
+def output_mode(tiles: MosaicTiles, kind: str) -> str:
+    """``tiles.out``, or ``$HSTU_MOSAIC_OUT`` (an A/B without a config key: one mode for the
+    three kernels, or ``KIND=MODE`` pairs, e.g. ``fwd=rows,dq=select,dkdv=select``; a kernel
+    it does not name: "tiles"), else "tiles"."""
     if tiles.out is not None:
         return tiles.out
-    mode = os.environ.get("HSTU_MOSAIC_OUT", "") or "tiles"
-    if mode not in OUTS:
-        raise ValueError(f"HSTU_MOSAIC_OUT: expected one of {OUTS}, got {mode!r}")
-    return mode
+    text = os.environ.get("HSTU_MOSAIC_OUT", "") or "tiles"
+    if "=" not in text:
+        text = ",".join(f"{k}={text}" for k in KINDS)
+    modes = {}
+    for item in text.split(","):
+        name, _, mode = item.partition("=")
+        if name not in KINDS or mode not in OUTS:
+            raise ValueError(
+                f"HSTU_MOSAIC_OUT: expected a mode of {OUTS} or KIND=MODE pairs with KIND one "
+                f"of {KINDS}, got {item!r}"
+            )
+        modes[name] = mode
+    return modes.get(kind, "tiles")
 
 
 _Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
@@ -709,7 +724,8 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
     dead = offs[:-1] % 8
     frame_seqlen = max_seqlen + 7
     num = pairs(t_cap + 7 * bsz, bsz, frame_seqlen, block)
-    rows_out = output_mode(tiles) == "rows"
+    out_mode = output_mode(tiles, kind)
+    rows_out = out_mode != "tiles"
     if meta_mode() == "kernel":
         meta = _meta_table(offs, ctx, cand, block, frame_seqlen, num, key_major, bool(interpret))
         blk, b, valid = meta[4, :num], meta[6, :num], (meta[1, :num] > 0).astype(jnp.int32)
@@ -825,11 +841,26 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
         interpret=InterpretGPUParams() if interpret else None,
     )(meta, *ins)
     if rows_out:
-        # the chunks two samples share, placed after the kernel: a scatter of at most 16
-        # rows a sample into the kernel's own output, in place
         dst = _side_rows(offs, dead, t_pad)
+        if out_mode == "rows":
+            # the chunks two samples share, placed after the kernel: a scatter of at most 16
+            # rows a sample into the kernel's own output, in place
+            def place(o, side):
+                return o.at[dst].set(side, mode="drop")
+
+        else:
+            # each row's side slot (-1: none; the same map for every call of a step), and
+            # the shared rows selected from the slots where the output is read
+            slot = jnp.full((t_pad,), -1, jnp.int32)
+            slot = slot.at[dst].set(jnp.arange(dst.shape[0], dtype=jnp.int32), mode="drop")
+            shared = (slot >= 0)[:, None, None]
+
+            def place(o, side):
+                picked = jnp.take(side, jnp.maximum(slot, 0), axis=0, mode="clip")
+                return jnp.where(shared, picked, o)
+
         outs = tuple(
-            o.at[dst].set(side, mode="drop")[:t_cap]
+            place(o, side)[:t_cap]
             for o, side in zip(outs[: len(widths)], outs[len(widths) :], strict=True)
         )
         return outs if key_major else outs[0]

@@ -188,10 +188,32 @@ def test_outputs_at_their_rows_need_no_gather(kind, monkeypatch):
         if "stablehlo.scatter" in ln and rows.search("\n".join(lines[i : i + 6]))
     ]
     assert len(scatters) == (2 if kind == "dkdv" else 1), scatters
-    assert not [ln for ln in text.splitlines() if "stablehlo.select" in ln and rows.search(ln)]
-    monkeypatch.setenv("HSTU_MOSAIC_OUT", "bogus")
-    with pytest.raises(ValueError, match="HSTU_MOSAIC_OUT"):
-        _lowered_for_cuda(kind, q, k, v, offs, kw)
+    assert not [ln for ln in lines if "stablehlo.select" in ln and "x4x64xbf16>" in ln]
+    # "select" (per kernel): no scatter of rows, the shared rows one select over the output
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", f"{kind}=select")
+    lines = _lowered_for_cuda(kind, q, k, v, offs, kw).splitlines()
+    assert not [i for i, ln in enumerate(lines) if "stablehlo.scatter" in ln and rows.search(
+        "\n".join(lines[i : i + 6])
+    )]  # fmt: skip
+    selects = [ln for ln in lines if "stablehlo.select" in ln and "x4x64xbf16>" in ln]
+    assert selects, "no select of the output's rows"
+    for bad in ("bogus", "fwd=rows,dq=gather", "bwd=rows"):
+        monkeypatch.setenv("HSTU_MOSAIC_OUT", bad)
+        with pytest.raises(ValueError, match="HSTU_MOSAIC_OUT"):
+            _lowered_for_cuda(kind, q, k, v, offs, kw)
+
+
+def test_output_mode_per_kernel(monkeypatch):
+    """`$HSTU_MOSAIC_OUT`: one mode for every kernel, or per kernel (others: "tiles"); a
+    `MosaicTiles.out` wins over it."""
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "rows")
+    assert {_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS} == {"rows"}
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "fwd=rows,dkdv=select")
+    got = [_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS]
+    assert got == ["rows", "tiles", "select"]
+    assert _mosaic.output_mode(MosaicTiles(out="tiles"), "fwd") == "tiles"
+    monkeypatch.delenv("HSTU_MOSAIC_OUT")
+    assert _mosaic.output_mode(MosaicTiles(), "dq") == "tiles"
 
 
 def _kernel_outputs(kind: str, q, k, v, do, offs, kw, tiles) -> tuple:
@@ -229,14 +251,15 @@ def test_outputs_written_at_their_rows_equal_the_gathered_tiles(
             base = MosaicTiles(block_kv=block_kv, stages=3)
         outs = {}
         for mode in _mosaic.OUTS:
-            monkeypatch.setenv("HSTU_MOSAIC_META", meta if mode == "rows" else "xla")
+            monkeypatch.setenv("HSTU_MOSAIC_META", meta if mode != "tiles" else "xla")
             outs[mode] = _kernel_outputs(kind, q, k, v, do, offs, kw, replace(base, out=mode))
-        for got, want in zip(outs["rows"], outs["tiles"], strict=True):
-            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-            assert got.shape == want.shape == (q.shape[0], q.shape[1], got.shape[2]), kind
-            assert not np.isnan(got).any(), kind
-            assert np.array_equal(got, want), kind
-            assert not np.any(got[real:]), kind
+        for mode in ("rows", "select"):
+            for got, want in zip(outs[mode], outs["tiles"], strict=True):
+                got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+                assert got.shape == want.shape == (q.shape[0], q.shape[1], got.shape[2])
+                assert not np.isnan(got).any(), (kind, mode)
+                assert np.array_equal(got, want), (kind, mode)
+                assert not np.any(got[real:]), (kind, mode)
 
 
 def test_side_rows_place_each_shared_chunk_row_of_its_own_sample():
