@@ -439,8 +439,8 @@ def _query_kernel(meta_ref, *refs, kind, tiles, order, alpha, normalizer, rows_o
         _stream(fetch, cta_steps, stages, (k_free, v_free))
 
 
-# Rows mode (``MosaicTiles.out="rows"``): CTAs per head, launched after the schedule's, that
-# zero the output's rows past the batch (``_zero_tail``).
+# Outputs at their rows (``MosaicTiles.out`` "rows" / "select"): CTAs per head, launched after
+# the schedule's, that zero the output's rows past the batch (``_zero_tail``).
 TAIL_CTAS = 4
 
 
@@ -489,13 +489,13 @@ def _zero_tail(smem, out_ref, h, slot, tail0) -> None:
 
 
 def _store(smem, out_ref, side_ref, h, f0, start, dead, n, sample) -> None:
-    """Write a CTA's output tile at its rows (``MosaicTiles.out="rows"``): the tile holds
+    """Write a CTA's output tile at its rows (``MosaicTiles.out`` "rows" / "select"): the tile holds
     rows ``[f0, f0 + rows)`` of its sample's frame (frame row ``i`` is the array's row
     ``start + i``; the sample's own rows are ``[dead, n)``). TMA writes whole 8-row chunks;
     a chunk the sample shares with a neighbour (its first where ``dead > 0``, its last where
     it ends mid-chunk) would be written by two CTAs at once, so those go to the sample's two
     8-row slots of ``side_ref`` (first chunk, last chunk) for the wrapper to place
-    (``_placement``); the chunks wholly the sample's go to their rows of ``out_ref``, in one
+    (``_side_rows``); the chunks wholly the sample's go to their rows of ``out_ref``, in one
     copy where the tile has no other; chunks past the sample's end nowhere."""
     rows = smem.shape[0]
     whole = ((f0 > 0) | (dead == 0)) & (f0 + rows <= n)
@@ -918,10 +918,9 @@ _META_ENTRIES = 128  # entries per program of `_meta_kernel`
 
 
 def _meta_kernel(*refs, bsz, block, levels, num, key_major, has_ctx, has_cand):
-    """``_meta_from_schedule`` of ``kernels/schedule.py``'s schedule over the samples' frames
-    (each sample seen from the multiple of 8 at or before its start), for
-    ``_META_ENTRIES`` entries: the same sums, without the ``[G, B]`` intermediates leaving
-    registers."""
+    """``_META_ENTRIES`` entries of ``_meta_from_schedule``'s table: ``kernels/schedule.py``'s
+    sums over the samples' frames (each sample seen from the multiple of 8 at or before its
+    start) in registers, the samples' fields picked by a one-hot sum per entry."""
     offs_ref, *rest = refs
     ctx_ref = rest.pop(0) if has_ctx else None
     cand_ref = rest.pop(0) if has_cand else None
