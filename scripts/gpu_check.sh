@@ -7,7 +7,7 @@
 #                                               e2e sim simcheck profile graphs norm pack ab tab
 #                                               kab bias bwd optim mosaic recipes workers tma
 #                                               attnprof order mtiles silu embed
-#                                               overrides flags envs jnorm mrows
+#                                               overrides flags envs jnorm mrows tbias
 #                                               host model
 #                                               (bench_upstream, one GPU)
 #                                               multi e2e2 scale (>= 2 GPUs; not in the default;
@@ -312,6 +312,20 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done
       ln -sfn "$PWD/kernels" /tmp/hstu-path/hstu_kernels ;;
+    tbias)
+      # the Triton kernels' time bias per key tile (HSTU_TRITON_TIME_TILES=1, read at import):
+      # the GPU tests with biases in a process with it on, then kernels/triton/bench_bias.py
+      # ($BIAS_ARGS, e.g. --kernels) without and with it, alternating, two rounds
+      run tbias_gpu_test env HSTU_TRITON_TIME_TILES=1 python -m pytest -q -m gpu \
+        tests/unit/test_triton_attention.py -k "rab or time"
+      if [ "$status" = ok ]; then
+        for round in 1 2; do
+          for on in 0 1; do
+            run "tbias${on}_$round" env HSTU_TRITON_TIME_TILES=$on \
+              python -m hstu_kernels.triton.bench_bias ${BIAS_ARGS:-}
+          done
+        done
+      fi ;;
     bwd)
       # torch attention backward modes ($BWD_MODES: split, the dk/dv + dq kernels; fused, one
       # kernel adding dq atomically; stored, dq from the dS the dk/dv kernel stored; a mode

@@ -30,6 +30,7 @@ from ._common import (
     _tail_program,
     _time_bucket,
     _time_path,
+    _time_tile,
     _ts_load,
     _visible,
     _zero_tail_rows,
@@ -329,6 +330,31 @@ def _dq_tile(
         else:  # every pair in the clamped last bucket: one sum (dz is 0 where masked)
             tl.atomic_add(DRabPos + (P - 1), _reduce_sum(dz), sem="relaxed")
     if TIME_GRAD:
+        uniform, b_tile = _time_tile(ts_q, ts_k, TB, HAS_TIME)
+        dtime = _dq_time_grad(
+            dtime, dz, mask, ts_q, ts_k, TB, uniform, b_tile, HAS_TIME, MASKED, BLOCK_TB,
+            TIME_GRAD,
+        )  # fmt: skip
+    return dq, dtime
+
+
+@triton.jit
+def _dq_time_grad(
+    dtime, dz, mask, ts_q, ts_k, TB, uniform, b_tile, HAS_TIME: tl.constexpr,
+    MASKED: tl.constexpr, BLOCK_TB: tl.constexpr, TIME_GRAD: tl.constexpr,
+):  # fmt: skip
+    """The time table's gradient of one tile added into ``dtime`` (``dz`` is 0 where masked):
+    the whole tile's sum into one bucket where ``_time_tile`` found one (``uniform``), else
+    a sum per bucket the tile holds."""
+    if uniform:
+        if TIME_GRAD == 2:
+            col = tl.arange(0, BLOCK_TB)[None, :]
+            part = tl.reduce(dz, 1, _add)
+            dtime = tl.where(col == b_tile, dtime + part[:, None], dtime)
+        else:
+            offs_tb = tl.arange(0, BLOCK_TB)
+            dtime += tl.where(offs_tb == b_tile, _reduce_sum(dz), 0.0)
+    else:
         # few distinct buckets per tile: each summed in registers, no contended atomics
         tb = _time_bucket(ts_q, ts_k, TB, HAS_TIME)
         if MASKED:
@@ -349,7 +375,7 @@ def _dq_tile(
             for t in range(lo_b, hi_b + 1):
                 part = _reduce_sum(tl.where(tb == t, dz, 0.0))
                 dtime += tl.where(offs_tb == t, part, 0.0)
-    return dq, dtime
+    return dtime
 
 
 @triton.jit

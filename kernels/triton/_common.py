@@ -4,8 +4,17 @@ Index math, block ranges, bias / mask evaluation and the small reductions used b
 (``_forward.py``) and backward (``_backward.py``) kernels.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# The time bias per key tile (``_time_bias``): where the tile's pairs all fall in one bucket
+# (their |t_i - t_j| range, from the two tiles' timestamp ranges, inside one bucket: far
+# pairs clamped into the last one, most of a long sample's), one table entry for the tile
+# instead of a bucket and a gather per pair. Off unless ``HSTU_TRITON_TIME_TILES=1`` (built,
+# not yet timed on a GPU); read once, at import.
+TIME_TILES = tl.constexpr(os.environ.get("HSTU_TRITON_TIME_TILES", "0") == "1")
 
 # Local positions: ``qi`` (query) and ``kj`` (key) are broadcastable int32 index tensors inside a
 # sample of length ``n``; ``hist_end = n - K``.  MASKED=False marks a tile known to be fully
@@ -142,8 +151,33 @@ def _logits(
     if HAS_POS:
         z += tl.load(RabPos + tl.minimum(tl.abs(qi - kj), P - 1)).to(tl.float32)
     if HAS_TIME:
-        z += tl.load(RabTime + _time_bucket(ts_q, ts_k, TB, HAS_TIME)).to(tl.float32)
+        uniform, b = _time_tile(ts_q, ts_k, TB, HAS_TIME)
+        if uniform:  # (always False without TIME_TILES)
+            z += tl.load(RabTime + b).to(tl.float32)
+        else:
+            z += tl.load(RabTime + _time_bucket(ts_q, ts_k, TB, HAS_TIME)).to(tl.float32)
     return z
+
+
+@triton.jit
+def _time_tile(ts_q, ts_k, TB, HAS_TIME: tl.constexpr):
+    """(whether every pair of the tile of query timestamps ``ts_q [M, 1]`` and key timestamps
+    ``ts_k [1, N]`` falls in one time bucket, that bucket): the buckets of the smallest and the
+    largest |t_i - t_j| the two ranges allow (the bucket grows with the distance). Rows past a
+    sample read timestamp 0, which only widens the range (then no claim). Without
+    ``TIME_TILES``: (False, 0), nothing computed."""
+    uniform = False
+    b = 0
+    if TIME_TILES:
+        qa = _reduce_min(ts_q)
+        qb = _reduce_max(ts_q)
+        ka = _reduce_min(ts_k)
+        kb = _reduce_max(ts_k)
+        lo = tl.maximum(tl.maximum(qa - kb, ka - qb), qa * 0)  # 0 where the ranges overlap
+        hi = tl.maximum(qb - ka, kb - qa)
+        b = _time_bucket(lo, lo * 0, TB, HAS_TIME)
+        uniform = b == _time_bucket(hi, hi * 0, TB, HAS_TIME)
+    return uniform, b
 
 
 @triton.jit

@@ -1273,3 +1273,61 @@ def test_launch_order_defaults_per_kernel():
     assert lead("fwd", BlockSizes().lead, 10) == 0  # the forward: head by head
     assert lead("fwd", BlockSizes(lead=3).lead, 10) == 3
     assert lead("dq", BlockSizes(lead=30).lead, 10) == 10
+
+
+_common = importlib.import_module("hstu_kernels.triton._common")
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="the global is read at import when compiled")
+@pytest.mark.parametrize("modes", [(1, 1), (2, 2)], ids=["per-bucket-sums", "row-sums"])
+def test_time_tiles_give_the_same_bits(modes, monkeypatch):
+    """`HSTU_TRITON_TIME_TILES=1` (`_common.TIME_TILES`): a key tile whose pairs all fall in one
+    time bucket adds that bucket's entry once instead of a bucket and a gather per pair, and
+    its table gradient is the tile's sum; the same outputs and gradients, bit for bit, as the
+    per-pair path, with both table-gradient paths of the dq kernel (the test's timestamps put
+    the far tiles of its longer samples wholly in the clamped last bucket)."""
+    monkeypatch.setattr(_launch, "_table_grad_modes", lambda *_: modes)
+    qkv, offsets, kw, tables, grad_out, _ = _make_inputs(
+        "interpret", "ctx_cand_rab", torch.float32, 5
+    )
+    blocks = SHAPES["interpret"]["blocks"]["default"]
+
+    def run(on):
+        monkeypatch.setattr(_common, "TIME_TILES", _common.tl.constexpr(on))
+        leaves = [x.clone().requires_grad_() for x in [*qkv, *tables.values()]]
+        out = hstu_attention(*leaves[:3], offsets, **kw, block_sizes=blocks,
+                             **dict(zip(tables, leaves[3:], strict=True)))  # fmt: skip
+        return [out, *torch.autograd.grad(out, leaves, grad_out)]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _INTERPRET, reason="a probe kernel, interpreted")
+def test_time_tile_claims_one_bucket_only_where_every_pair_is_in_it(monkeypatch):
+    """`_time_tile` on tiles of timestamps: one bucket exactly when the distances the two
+    ranges allow share it (floor(log2(1 + |dt|)), clamped into the last of TB)."""
+    import triton
+    import triton.language as tl
+
+    monkeypatch.setattr(_common, "TIME_TILES", tl.constexpr(True))
+
+    @triton.jit
+    def probe(Tq, Tk, Out, TB, HAS_TIME: tl.constexpr):
+        tq = tl.load(Tq + tl.arange(0, 4))[:, None]
+        tk = tl.load(Tk + tl.arange(0, 4))[None, :]
+        uniform, b = _common._time_tile(tq, tk, TB, HAS_TIME)
+        tl.store(Out, uniform.to(tl.int32))
+        tl.store(Out + 1, b)
+
+    def claim(tq, tk, tb=8):
+        out = torch.zeros(2, dtype=torch.int32)
+        ts = [torch.tensor(t, dtype=torch.int64) for t in (tq, tk)]
+        probe[(1,)](*ts, out, tb, HAS_TIME=1)
+        return bool(out[0]), int(out[1])
+
+    assert claim([1000, 1010, 1020, 1030], [0, 1, 2, 3]) == (True, 7)  # all clamped (>= 127)
+    assert claim([40, 41, 42, 43], [0, 1, 2, 3]) == (True, 5)  # |dt| in 37..43: bucket 5
+    assert claim([40, 41, 42, 90], [0, 1, 2, 3])[0] is False  # 37..90: buckets 5 and 6
+    assert claim([0, 1, 2, 3], [40, 41, 42, 43]) == (True, 5)  # keys after the queries
+    assert claim([0, 5, 9, 3], [2, 4, 6, 8])[0] is False  # overlapping ranges: 0 is possible
