@@ -384,7 +384,8 @@ print('torchrec', torchrec.__version__)" ;;
       # test (each way against the Triton lowering at head dim $MROWS_DIM, default 256, T whole
       # tiles as in training; $MROWS_TEST_K picks other cases), the
       # kernels in device time on the recipe's batches, 8 x 4096 and 16 / 64 x 256
-      # ($AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32), with
+      # ($AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32): the
+      # shipped step, rows with the meta kernel, and the backward's shared rows selected, with
       # $MROWS_SETS ('|'-separated) as more sets
       run mrows_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
         -k "${MROWS_TEST_K:-triton_lowering and ${MROWS_DIM:-256} and T-whole}"
@@ -397,7 +398,9 @@ print('torchrec', torchrec.__version__)" ;;
               --calls 10 --rounds 3
           done
         done
-        ab_envs mrows "|HSTU_MOSAIC_OUT=rows|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel|HSTU_MOSAIC_OUT=fwd=rows,dq=select,dkdv=select HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
+        # three sets, each compiling its own programs (~90 s a run on a fresh machine): the
+        # call stays inside its 600 s; the kernels above separate the meta kernel's share
+        ab_envs mrows "|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel|HSTU_MOSAIC_OUT=fwd=rows,dq=select,dkdv=select HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
       fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the
