@@ -378,29 +378,29 @@ print('torchrec', torchrec.__version__)" ;;
         done
       done ;;
     mrows)
-      # the Mosaic kernels' outputs written at their rows ($HSTU_MOSAIC_OUT=rows,
-      # MosaicTiles.out) against their tiles gathered back (the default), and with the CTAs'
-      # work table from one Pallas kernel ($HSTU_MOSAIC_META=kernel) instead of XLA's: the GPU
+      # the Mosaic kernels' outputs and work table (kernels/pallas/_mosaic.py: the forward's
+      # output at its rows, dq's and dk / dv's as tiles gathered back, the work table from one
+      # Pallas kernel, the defaults; $HSTU_MOSAIC_OUT / $HSTU_MOSAIC_META name others): the GPU
       # test (each way against the Triton lowering at head dim $MROWS_DIM, default 256, T whole
-      # tiles as in training; $MROWS_TEST_K picks other cases), the
-      # kernels in device time on the recipe's batches, 8 x 4096 and 16 / 64 x 256
-      # ($AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32): the
-      # shipped step, rows with the meta kernel, and the backward's shared rows selected, with
-      # $MROWS_SETS ('|'-separated) as more sets
+      # tiles as in training; $MROWS_TEST_K picks other cases), the kernels in device time on
+      # the recipe's batches, 8 x 4096 and 16 / 64 x 256 for each OUT:META of $MROWS_MODES
+      # (default: every kernel as tiles with XLA's table, then the defaults spelled out; ~100 s
+      # each, $AB_ROUNDS alternating rounds), then the step as `envs` runs it (jax, batch 32): the
+      # defaults against every output as tiles with XLA's table, and $MROWS_SETS
+      # ('|'-separated) as more sets (each ~60-110 s on a fresh machine: the call's 600 s
+      # hold about three)
       run mrows_gpu_test python -m pytest -q -m gpu tests/unit/test_pallas_mosaic.py \
         -k "${MROWS_TEST_K:-triton_lowering and ${MROWS_DIM:-256} and T-whole}"
       if [ "$status" = ok ]; then
         for round in $(seq ${AB_ROUNDS:-2}); do
-          for mode in tiles:xla rows:xla rows:kernel; do
-            run "mrows_attn_${mode/:/_}_$round" env HSTU_MOSAIC_OUT=${mode%:*} \
+          for mode in ${MROWS_MODES:-tiles:xla fwd=rows:kernel}; do
+            run "mrows_attn_${mode//[:=,]/_}_$round" env HSTU_MOSAIC_OUT=${mode%:*} \
               HSTU_MOSAIC_META=${mode#*:} python scripts/attention_jagged.py --backend jax \
               --lowering mosaic --dim ${MROWS_DIM:-256} --equal 8x4096 16x256 64x256 \
               --calls 10 --rounds 3
           done
         done
-        # three sets, each compiling its own programs (~90 s a run on a fresh machine): the
-        # call stays inside its 600 s; the kernels above separate the meta kernel's share
-        ab_envs mrows "|HSTU_MOSAIC_OUT=rows HSTU_MOSAIC_META=kernel|HSTU_MOSAIC_OUT=fwd=rows,dq=select,dkdv=select HSTU_MOSAIC_META=kernel${MROWS_SETS:+|$MROWS_SETS}" jax
+        ab_envs mrows "|HSTU_MOSAIC_OUT=tiles HSTU_MOSAIC_META=xla${MROWS_SETS:+|$MROWS_SETS}" jax
       fi ;;
     attnprof)
       # per-kernel device time of the attention call on the case $APROF_CASE (default the

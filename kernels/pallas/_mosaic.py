@@ -32,18 +32,19 @@ sample starting at row ``o`` is seen from row ``o - r`` (``r = o mod 8``), as ``
 then its own, and the masks count the dead rows out (never attended, their outputs dropped;
 dk / dv also drop dead and past-the-end query rows, which would otherwise add to the keys'
 gradients). A tile's tail may read the next sample's rows (masked out the same way) or rows
-past the array (TMA fills zeros). A CTA's output tile always has ``block`` rows, so by
-default (``MosaicTiles.out="tiles"``) it goes to a buffer with one such tile per CTA (no CTA
-writes another's rows) and a gather brings the rows back to the jagged layout. With
-``out="rows"`` (``_store``) each CTA writes the 8-row chunks that are wholly its sample's
-straight into the jagged output; the at most two chunks a sample shares with a neighbour go
-to the sample's side slots, which one scatter of at most 16 rows a sample places after the
-kernel, in place; ``TAIL_CTAS`` more CTAs per head zero the rows past the batch (the
-capacity's padding), so the output needs no gather and no select. The table of the CTAs'
-work comes from jnp (XLA) or, with ``HSTU_MOSAIC_META=kernel``, one Pallas kernel
-(``_meta_table``). (Until 2026-11-29 the
-inputs were first gathered into copies with every sample 8-aligned: 0.40 ms a step at
-bench_upstream's batch 32 on an H200.)
+past the array (TMA fills zeros). A CTA's output tile always has ``block`` rows. With
+``MosaicTiles.out="tiles"`` (dq's and dk / dv's default) it goes to a buffer with one such
+tile per CTA (no CTA writes another's rows) and a gather brings the rows back to the jagged
+layout. With ``out="rows"`` (the forward's default; ``_store``) each CTA writes the 8-row
+chunks that are wholly its sample's straight into the jagged output; the at most two chunks
+a sample shares with a neighbour go to the sample's side slots, which one scatter of at most
+16 rows a sample places after the kernel, in place; ``TAIL_CTAS`` more CTAs per head zero
+the rows past the batch (the capacity's padding), so the output needs no gather and no
+select. The table of the CTAs' work comes from one Pallas kernel (``_meta_table``) or, with
+``HSTU_MOSAIC_META=xla``, from jnp's schedule in some ten small XLA kernels (``DEFAULT_OUT``
+and ``meta_mode`` say what was measured). (Until 2026-11-29 the inputs were
+first gathered into copies with every sample 8-aligned: 0.40 ms a step at bench_upstream's
+batch 32 on an H200.)
 
 No relative biases, 16-bit inputs only, head dims multiples of 64 up to 256 (``supports``);
 the entry point uses the Triton lowering for the rest. Interpret mode
@@ -110,7 +111,7 @@ class MosaicTiles:
     kernel) or ``"select"`` (as ``"rows"``, but the shared rows selected from the side slots
     where the output is read: no kernel of their own where XLA fuses the select into the
     consumer, a pass of the whole output where the consumer is another kernel); None:
-    ``$HSTU_MOSAIC_OUT``, else ``"tiles"``."""
+    ``$HSTU_MOSAIC_OUT``, else the kernel's ``DEFAULT_OUT``."""
 
     block_q: int = 64
     block_kv: int = 64
@@ -134,15 +135,27 @@ class MosaicTiles:
 
 
 OUTS = ("tiles", "rows", "select")  # MosaicTiles.out
+# Each kernel's output mode where neither MosaicTiles.out nor $HSTU_MOSAIC_OUT names one. One
+# H200, 2026-12-05, head dim 256, device time (scripts/attention_jagged.py, gpu_check mrows):
+# the forward at its rows 0.165 / 0.144 / 0.080 ms on the recipe's three batches against
+# 0.192 / 0.172 / 0.099 as tiles, 0.415 against 0.470 on 8 x 4096; the backward's rows mode
+# gave that back (forward + backward 0.801 / 0.711 / 0.357 against 0.794 / 0.709 / 0.353), so
+# dq and dk / dv keep their tiles. The step (bench_upstream, batch 32, packed) with the forward
+# at its rows, the meta kernel and the bf16 weight copies: 1.018x and 1.016x over the same
+# steps in two calls (docs/BENCHMARKS.md, "jax: the forward at its rows"), all three the
+# defaults.
+DEFAULT_OUT = {"fwd": "rows", "dq": "tiles", "dkdv": "tiles"}
 
 
 def output_mode(tiles: MosaicTiles, kind: str) -> str:
     """``tiles.out``, or ``$HSTU_MOSAIC_OUT`` (an A/B without a config key: one mode for the
     three kernels, or ``KIND=MODE`` pairs, e.g. ``fwd=rows,dq=select,dkdv=select``; a kernel
-    it does not name: "tiles"), else "tiles"."""
+    it does not name: its default), else ``DEFAULT_OUT[kind]``."""
     if tiles.out is not None:
         return tiles.out
-    text = os.environ.get("HSTU_MOSAIC_OUT", "") or "tiles"
+    text = os.environ.get("HSTU_MOSAIC_OUT", "")
+    if not text:
+        return DEFAULT_OUT[kind]
     if "=" not in text:
         text = ",".join(f"{k}={text}" for k in KINDS)
     modes = {}
@@ -154,7 +167,7 @@ def output_mode(tiles: MosaicTiles, kind: str) -> str:
                 f"of {KINDS}, got {item!r}"
             )
         modes[name] = mode
-    return modes.get(kind, "tiles")
+    return modes.get(kind, DEFAULT_OUT[kind])
 
 
 _Blocks = collections.namedtuple("_Blocks", "bq bk")  # the tiles ``_query_ranges`` reads
@@ -887,9 +900,14 @@ def _call(kind, q, k, v, do, offs, ctx, cand, *, max_seqlen, alpha, normalizer, 
 
 def meta_mode() -> str:
     """``$HSTU_MOSAIC_META``: where a call's table of CTA work (``_call``'s ``meta``) is
-    computed, ``"xla"`` (default: jnp, some ten small XLA kernels a call where a training step
-    does not share them) or ``"kernel"`` (one Pallas kernel, ``_meta_table``)."""
-    mode = os.environ.get("HSTU_MOSAIC_META", "") or "xla"
+    computed, ``"kernel"`` (default: one Pallas kernel, ``_meta_table``) or ``"xla"`` (jnp,
+    some ten small XLA kernels a call where a training step does not share them). In device
+    time (H200, head dim 256, the forward at its rows) the kernel took 3-4 us off each
+    standalone forward of short samples and left forward + backward within -5 / +11 us of
+    XLA's; it is the default as part of the set the step was measured with (``DEFAULT_OUT``).
+    Its lowering is Pallas' Triton one, as the norm kernels' (jax 0.11 lowers it for CUDA
+    only with a GPU present)."""
+    mode = os.environ.get("HSTU_MOSAIC_META", "") or "kernel"
     if mode not in ("xla", "kernel"):
         raise ValueError(f"HSTU_MOSAIC_META: expected xla or kernel, got {mode!r}")
     return mode

@@ -18,8 +18,10 @@ callbacks: it needs at least 4 host devices' threads (``make test-mosaic`` sets 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -78,8 +80,12 @@ def _reference(q, k, v, offs, **kw):
 
 
 def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
-    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, default tiles), lowered
-    for CUDA."""
+    """The compiled path of one kernel (``fwd``, ``dq`` or ``dkdv``, the output mode its
+    default or the caller's environment names), lowered for CUDA, with the work table from
+    XLA: jax 0.11 lowers the meta kernel (Pallas' Triton lowering) for CUDA only with a GPU
+    present, so its own lowering is checked under jax 0.10
+    (`test_meta_kernel_builds_the_schedules_table`) and compiled on the GPU (the tests marked
+    gpu, default set)."""
     kw = dict(kw)
     ctx, cand = kw.pop("num_contextual"), kw.pop("num_candidates")
     tiles = _mosaic.default_tiles(kind, q.shape[2], v.shape[2])
@@ -91,7 +97,9 @@ def _lowered_for_cuda(kind: str, q, k, v, offs, kw) -> str:
         fn = _mosaic.backward_dq if kind == "dq" else _mosaic.backward_dkdv
         return fn(q, k, v, do, offs, ctx, cand, **kw, tiles=tiles, interpret=False)
 
-    return jax.jit(f).trace(q, k, v, offs, ctx, cand).lower(lowering_platforms=("cuda",)).as_text()
+    with mock.patch.dict(os.environ, {"HSTU_MOSAIC_META": "xla"}):
+        traced = jax.jit(f).trace(q, k, v, offs, ctx, cand)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_mosaic
@@ -150,10 +158,12 @@ def test_the_compiled_kernels_lower_for_cuda(kind, dqk, dv, out, monkeypatch):
 
 @needs_mosaic
 @pytest.mark.parametrize("kind", ["fwd", "dq", "dkdv"])
-def test_the_kernels_read_the_callers_rows_in_place(kind):
+def test_the_kernels_read_the_callers_rows_in_place(kind, monkeypatch):
     """No copy of q, k, v (dO) before the kernel, though most samples start off a multiple of
-    8 rows: the program's only gather of `[T, H, D]` rows is the one that brings the outputs
-    back from the CTA tiles, and nothing is padded where T is whole 8-row tiles."""
+    8 rows: with the outputs as tiles (dq's and dk / dv's default, here every kernel's) the
+    program's only gather of `[T, H, D]` rows is the one that brings them back from the CTA
+    tiles, and nothing is padded where T is whole 8-row tiles."""
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "tiles")
     q, k, v, offs, kw = _inputs(
         64, 64, heads=4, pad=11 + (-(int(sum(x[0] for x in LENGTHS)) + 11) % 8)
     )
@@ -204,16 +214,33 @@ def test_outputs_at_their_rows_need_no_gather(kind, monkeypatch):
 
 
 def test_output_mode_per_kernel(monkeypatch):
-    """`$HSTU_MOSAIC_OUT`: one mode for every kernel, or per kernel (others: "tiles"); a
-    `MosaicTiles.out` wins over it."""
-    monkeypatch.setenv("HSTU_MOSAIC_OUT", "rows")
-    assert {_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS} == {"rows"}
-    monkeypatch.setenv("HSTU_MOSAIC_OUT", "fwd=rows,dkdv=select")
+    """`$HSTU_MOSAIC_OUT`: one mode for every kernel, or per kernel (the others: their
+    default); a `MosaicTiles.out` wins over it; unset, the forward writes its rows and the
+    backward's kernels their tiles (`DEFAULT_OUT`, as measured)."""
+    monkeypatch.delenv("HSTU_MOSAIC_OUT", raising=False)
+    got = [_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS]
+    assert got == ["rows", "tiles", "tiles"]
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "tiles")
+    assert {_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS} == {"tiles"}
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "dkdv=select")
     got = [_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS]
     assert got == ["rows", "tiles", "select"]
-    assert _mosaic.output_mode(MosaicTiles(out="tiles"), "fwd") == "tiles"
-    monkeypatch.delenv("HSTU_MOSAIC_OUT")
-    assert _mosaic.output_mode(MosaicTiles(), "dq") == "tiles"
+    monkeypatch.setenv("HSTU_MOSAIC_OUT", "fwd=tiles,dq=rows")
+    got = [_mosaic.output_mode(MosaicTiles(), k) for k in _mosaic.KINDS]
+    assert got == ["tiles", "rows", "tiles"]
+    assert _mosaic.output_mode(MosaicTiles(out="select"), "fwd") == "select"
+
+
+def test_meta_mode_defaults_to_the_kernel(monkeypatch):
+    """`$HSTU_MOSAIC_META`: the work table from the Pallas kernel unless it says xla; anything
+    else is named."""
+    monkeypatch.delenv("HSTU_MOSAIC_META", raising=False)
+    assert _mosaic.meta_mode() == "kernel"
+    monkeypatch.setenv("HSTU_MOSAIC_META", "xla")
+    assert _mosaic.meta_mode() == "xla"
+    monkeypatch.setenv("HSTU_MOSAIC_META", "triton")
+    with pytest.raises(ValueError, match="HSTU_MOSAIC_META: expected xla or kernel, got 'triton'"):
+        _mosaic.meta_mode()
 
 
 def _kernel_outputs(kind: str, q, k, v, do, offs, kw, tiles) -> tuple:
@@ -440,13 +467,16 @@ def test_compiled_kernels_match_the_reference(dim):
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("whole", [True, False], ids=["T-whole-tiles", "T-padded"])
 @pytest.mark.parametrize(
-    ("out", "meta"), [("tiles", "xla"), ("rows", "xla"), ("rows", "kernel")], ids="-".join
+    ("out", "meta"),
+    [("", ""), ("tiles", "xla"), ("rows", "xla"), ("rows", "kernel")],
+    ids=lambda v: v or "default",
 )
 def test_compiled_kernels_match_the_triton_lowering(dim, whole, out, meta, monkeypatch):
     """The training case, compiled: 32 samples of bench_upstream-like lengths, most starting off
     a multiple of 8 rows, read in place (with T whole 8-row tiles nothing is copied), against the
     Triton lowering's kernels (themselves held to the reference), sample by sample. Fast where
-    the dense reference is not at head dim 256 and 40K tokens."""
+    the dense reference is not at head dim 256 and 40K tokens. The output modes and work
+    tables: the defaults (empty variables), and each named."""
     tiles = tuple(_mosaic.default_tiles(kind, dim, dim) for kind in _mosaic.KINDS)
     if mosaic_problem(jnp.bfloat16, dim, dim, False, tiles, False):
         pytest.skip("needs a Hopper GPU")
