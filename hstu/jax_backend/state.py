@@ -54,11 +54,13 @@ class TrainState:
 
 
 def copies_wanted(model_dtype: str) -> bool:
-    """Whether a run keeps `TrainState.copies`: a reduced-precision model with
-    `HSTU_JAX_WEIGHT_COPIES=1` in the environment (not yet timed on a GPU; an A/B in
-    processes of their own: `ENV_SETS="|HSTU_JAX_WEIGHT_COPIES=1" bash scripts/gpu_check.sh
-    envs`)."""
-    flag = os.environ.get("HSTU_JAX_WEIGHT_COPIES", "0")
+    """Whether a run keeps `TrainState.copies`: a reduced-precision model, unless
+    `HSTU_JAX_WEIGHT_COPIES=0` in the environment (the forward then casts the fp32 kernels
+    itself, as before 2026-12-05). Measured on an H200 together with the Mosaic forward's
+    rows mode and its work table from one kernel: 1.018x / 1.016x over the same bench_upstream
+    steps in two calls (docs/BENCHMARKS.md, "jax: the forward at its rows"); the same losses
+    bit for bit either way."""
+    flag = os.environ.get("HSTU_JAX_WEIGHT_COPIES", "1")
     if flag not in ("0", "1"):
         raise HSTUError(f"HSTU_JAX_WEIGHT_COPIES: expected 0 or 1, got {flag!r}")
     return flag == "1" and model_dtype != "float32"
