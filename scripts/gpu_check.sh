@@ -28,6 +28,16 @@ export PYTHONPATH=/tmp/site:/tmp/hstu-path:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # JAX programs compiled by one run are reused by the next (same shapes): compile once per bucket
 export JAX_COMPILATION_CACHE_DIR=/tmp/hstu-jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+# ... and by a later call on a fresh machine (same image): a jax e2e run spends 50-110 s of
+# its call compiling. $JAX_CACHE_IN: a carried tarball of an earlier call's cache, unpacked
+# first; JAX_CACHE_OUT=1: the cache packed to $OUT/jax-cache.tgz at the end (what comes back
+# is at most 16 MiB a file: a larger one is left out, said so), for the next call to carry
+# (e.g. as .gpu/jax-cache.tgz).
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+if [ -n "${JAX_CACHE_IN:-}" ]; then
+  tar -xzf "$JAX_CACHE_IN" -C "$JAX_COMPILATION_CACHE_DIR" \
+    && echo "gpu_check: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) cached programs from $JAX_CACHE_IN"
+fi
 sections=${*:-env kernels bench train parity}
 E2E_BACKENDS=${E2E_BACKENDS:-torch,jax}  # one backend per call keeps a call inside its limit
 declare -a rows
@@ -654,6 +664,17 @@ print('torchrec', torchrec.__version__)" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done
+
+if [ "${JAX_CACHE_OUT:-0}" = 1 ]; then
+  tar -czf /tmp/jax-cache.tgz -C "$JAX_COMPILATION_CACHE_DIR" .
+  size=$(stat -c %s /tmp/jax-cache.tgz)
+  if [ "$size" -le $((16 * 1024 * 1024)) ]; then
+    cp /tmp/jax-cache.tgz "$OUT/"
+    rows+=("$(printf '%-28s %-6s %s' jax_cache ok "$((size / 1024)) KiB")")
+  else
+    rows+=("$(printf '%-28s %-6s %s' jax_cache large "$((size / 1024)) KiB, not returned")")
+  fi
+fi
 
 echo
 echo "summary ($(python -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null))"
