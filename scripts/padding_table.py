@@ -10,6 +10,15 @@ each to the capacity a run of `--backend` pads it to (`hstu.capacity.for_source`
 and prints the distinct capacities (the static-shape programs), the mean relative padding
 (`padding_waste`) and the host time per batch. No model, no device: the numbers are the
 data's and the policy's.
+
+    python scripts/padding_table.py --world 2 [--steps 300] [--batches 32] [--windows 0,4]
+
+With `--world W` (> 1) it reads the batches of a W-rank run instead and prints, per step
+averaged over the run, what balancing has to work with: the ranks' largest real-token count
+and largest FLOPs (`hstu.workload.HSTUCost`) over their mean under the identity split, the
+same for the FLOPs split by `hstu.partition.partition`, and the speedup that predicts for a
+compute-bound step (identity's largest rank over the balanced largest): whether packing, which
+evens each rank's tokens, leaves the balanced shuffler anything to gain.
 """
 
 from __future__ import annotations
@@ -31,8 +40,22 @@ def main(argv=None) -> None:
     p.add_argument("--batches", default="8,32,64")
     p.add_argument("--windows", default="0,2,4,8", help="in batches; 0: no packing")
     p.add_argument("--backend", default="jax", choices=["jax", "torch"])
+    p.add_argument("--world", type=int, default=1, help="> 1: the ranks' imbalance instead")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.world > 1:
+        print(
+            f"{'batch':>5} {'window':>8} {'tokens max/mean':>15} {'FLOPs max/mean':>14} "
+            f"{'balanced':>8} {'predicted speedup':>17}"
+        )
+        for b in (int(x) for x in args.batches.split(",")):
+            for w in (int(x) for x in args.windows.split(",")):
+                r = rank_imbalance(args.config, b, w * b, args.world, args.steps, args.overrides)
+                print(
+                    f"{b:>5} {w * b:>8} {r['tokens']:>15.3f} {r['identity']:>14.3f} "
+                    f"{r['balanced']:>8.4f} {r['speedup']:>16.3f}x"
+                )
+        return
     print(f"{'batch':>5} {'window':>8} {'programs':>8} {'padding':>8} {'host ms/batch':>13}")
     for b in (int(x) for x in args.batches.split(",")):
         for w in (int(x) for x in args.windows.split(",")):
@@ -52,6 +75,46 @@ def main(argv=None) -> None:
                 f"{b:>5} {w * b:>8} {len(set(caps.tolist())):>8} "
                 f"{100 * np.mean(caps / tokens - 1):>7.1f}% {1e3 * host:>13.2f}"
             )
+
+
+def rank_imbalance(
+    config: str, batch: int, window: int, world: int, steps: int, overrides=()
+) -> dict:
+    """Means over `steps` steps of a `world`-rank run (batch `batch` a rank, `window` samples
+    packed, 0: none): `tokens` and `identity`, the largest rank's real tokens and FLOPs over
+    the ranks' mean as the identity split gives them; `balanced`, the same for the FLOPs
+    split by `hstu.partition.partition`; `speedup`, identity's largest FLOPs over the
+    balanced largest."""
+    from hstu.config import load_config
+    from hstu.data import DataLoader, source_from_config
+    from hstu.partition import partition
+    from hstu.workload import HSTUCost
+
+    cfg = load_config(
+        config,
+        [*overrides, f"dist.world_size={world}", f"data.batch_size={batch}"]
+        + [f"data.pack_window={window}"],
+    )
+    cost = HSTUCost.from_model_config(cfg.model)
+    loader = DataLoader(source_from_config(cfg), batch, world, list(range(world)))
+    rows = []
+    for _ in range(steps):
+        batches = next(loader)
+        tokens = np.array([b.num_real_tokens() for b in batches], float)
+        flops = [cost.batch_flops(b) for b in batches]
+        ident = np.array([f.sum() for f in flops], float)
+        every = np.concatenate(flops)
+        bal = np.array([every[part].sum() for part in partition(every, world)], float)
+        rows.append(
+            (
+                tokens.max() / tokens.mean(),
+                ident.max() / ident.mean(),
+                bal.max() / bal.mean(),
+                ident.max() / bal.max(),
+            )
+        )
+    means = np.mean(rows, axis=0)
+    return dict(zip(("tokens", "identity", "balanced", "speedup"), means.tolist(), strict=True))
 
 
 if __name__ == "__main__":
